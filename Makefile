@@ -1,0 +1,41 @@
+# make demo / make test: each sets up .venv idempotently, then runs.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.tract-installed
+SOURCES := pyproject.toml setup.py $(wildcard tract/_native/*.pyx tract/_native/*.h)
+
+.PHONY: demo test test-fast bench asv clean
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+# torch is pinned to the local CPU build when a later issue needs it; no
+# other spec may pull a CUDA build onto a CPU machine.
+$(STAMP): $(VENV)/bin/python $(SOURCES)
+	$(PY) -m pip install -q "setuptools>=68" wheel "Cython>=3.1" numpy
+	$(PY) -m pip install -q --no-build-isolation -e ".[test]"
+	$(PY) setup.py -q build_ext --inplace
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/tract demo
+
+# Every tier: unit, slow, multi-process, then the asv suite once in quick mode.
+test: $(STAMP)
+	$(PY) -m pytest -q -ra
+	$(MAKE) asv
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
+
+asv: $(STAMP)
+	$(VENV)/bin/asv machine --yes --machine ci >/dev/null
+	$(VENV)/bin/asv run --python=same --quick --show-stderr --dry-run --machine ci
+
+bench: $(STAMP)
+	$(VENV)/bin/tract bench region
+
+clean:
+	rm -rf $(VENV) build *.egg-info .asv tract/_native/*.so tract/_native/*.c tract/_native/*.html

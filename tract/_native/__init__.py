@@ -1,0 +1,1 @@
+"""Private native layer (Cython).  Use the public modules of `tract` instead."""

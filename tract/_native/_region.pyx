@@ -1,0 +1,414 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+"""Private: one mapped pool and the cache-control primitives over it.
+
+The public layer is ``tract.region``; this module may change freely.
+
+Contract (DESIGN.md R1, R5): callers name memory by offset from the start of
+the mapping, never by address; every offset and length is checked against the
+mapping's size before any byte is touched, and a violation raises
+``tract.errors.BoundsError`` naming the offset, the length and the size.
+Typed loads and stores are naturally aligned, so each is one single-copy
+atomic access on the host that makes it.
+
+Which cache-maintenance instruction serves each action is decided by the
+caller (``tract.platform.cache_control``) when it maps the pool and stored in
+the Region; nothing here asks the CPU again on a hot path.
+"""
+
+from cpython.buffer cimport PyBuffer_FillInfo, PyBuffer_Release, PyObject_GetBuffer, PyBUF_SIMPLE, PyBUF_WRITABLE
+from libc.errno cimport errno
+from libc.stdint cimport int64_t, uint8_t, uint16_t, uint32_t, uint64_t, uintptr_t
+from libc.string cimport memcpy, memset, strerror
+from posix.mman cimport MAP_FAILED, MAP_SHARED, PROT_READ, PROT_WRITE, mmap, munmap
+from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
+from posix.types cimport off_t
+
+from tract.errors import BoundsError
+
+cdef extern from "sys/mman.h" nogil:
+    int MAP_POPULATE
+
+cdef extern from "_cachectl.h" nogil:
+    const char *TRACT_BUILD_PATH
+    int TRACT_LINE
+    int TRACT_HAS_CLFLUSH, TRACT_HAS_CLFLUSHOPT, TRACT_HAS_CLWB, TRACT_HAS_SSE2
+    int TRACT_HAS_AVX2, TRACT_HAS_AVX512F, TRACT_HAS_DC
+    int TRACT_INSN_NONE, TRACT_INSN_CLFLUSH, TRACT_INSN_CLFLUSHOPT, TRACT_INSN_CLWB
+    int TRACT_INSN_DC_CIVAC, TRACT_INSN_DC_CVAC
+    int TRACT_NT_NONE, TRACT_NT_SSE2, TRACT_NT_AVX2, TRACT_NT_AVX512
+    int tract_cpu_features() noexcept
+    void tract_lines(int insn, const char *addr, size_t length) noexcept
+    void tract_fence() noexcept
+    void tract_store_fence() noexcept
+    void tract_load_fence() noexcept
+    void tract_copy_in_nt(int kind, int insn, char *dst, const char *src, size_t n) noexcept
+
+LINE = TRACT_LINE
+BUILD_PATH = TRACT_BUILD_PATH.decode()
+
+INSTRUCTIONS = {
+    "none": TRACT_INSN_NONE,
+    "clflush": TRACT_INSN_CLFLUSH,
+    "clflushopt": TRACT_INSN_CLFLUSHOPT,
+    "clwb": TRACT_INSN_CLWB,
+    "dc civac": TRACT_INSN_DC_CIVAC,
+    "dc cvac": TRACT_INSN_DC_CVAC,
+}
+
+NONTEMPORAL = {
+    "none": TRACT_NT_NONE,
+    "sse2": TRACT_NT_SSE2,
+    "avx2": TRACT_NT_AVX2,
+    "avx512": TRACT_NT_AVX512,
+}
+
+
+def cpu_features():
+    """The cache-control and vector features of this CPU and OS, by name."""
+    cdef int f = tract_cpu_features()
+    return {
+        "clflush": bool(f & TRACT_HAS_CLFLUSH),
+        "clflushopt": bool(f & TRACT_HAS_CLFLUSHOPT),
+        "clwb": bool(f & TRACT_HAS_CLWB),
+        "sse2": bool(f & TRACT_HAS_SSE2),
+        "avx2": bool(f & TRACT_HAS_AVX2),
+        "avx512f": bool(f & TRACT_HAS_AVX512F),
+        "dc": bool(f & TRACT_HAS_DC),
+    }
+
+
+cdef inline uint64_t _now_ns() noexcept nogil:
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    return <uint64_t>ts.tv_sec * 1000000000 + <uint64_t>ts.tv_nsec
+
+
+cdef class Region:
+    """A shared mapping of a pool, addressed by offset.
+
+    Made by ``tract.region.create_region`` / ``open_region``; not directly.
+    The mapping stays valid while any buffer view of it is alive: ``close``
+    refuses to unmap under exported views.
+    """
+
+    cdef char *_base
+    cdef size_t _size
+    cdef readonly str path
+    cdef readonly str kind
+    cdef readonly object cache_control
+    cdef int _flush_insn
+    cdef int _invalidate_insn
+    cdef int _writeback_insn
+    cdef int _payload_insn
+    cdef int _nt_kind
+    cdef Py_ssize_t _exports
+
+    def __cinit__(self):
+        self._base = NULL
+        self._size = 0
+        self._exports = 0
+
+    def __dealloc__(self):
+        if self._base != NULL:
+            munmap(self._base, self._size)
+            self._base = NULL
+
+    # ---------------------------------------------------------------- checks
+
+    cdef inline int _check(self, int64_t offset, int64_t length) except -1:
+        if self._base == NULL:
+            raise ValueError(f"region {self.path!r} is closed")
+        if offset < 0 or length < 0 or <uint64_t>offset > self._size \
+                or <uint64_t>length > self._size - <uint64_t>offset:
+            raise BoundsError(
+                f"offset {offset} + length {length} is outside region {self.path!r} "
+                f"of size {self._size}")
+        return 0
+
+    cdef inline int _check_aligned(self, int64_t offset, int width) except -1:
+        self._check(offset, width)
+        if offset & (width - 1):
+            raise BoundsError(
+                f"offset {offset} is not aligned to {width} bytes for a "
+                f"{width * 8}-bit access in region {self.path!r}")
+        return 0
+
+    # ------------------------------------------------------------ properties
+
+    @property
+    def size(self):
+        """Length of the mapping in bytes."""
+        return self._size
+
+    @property
+    def base(self):
+        """Address of offset 0 in this process (differs between processes)."""
+        self._check(0, 0)
+        return <uintptr_t>self._base
+
+    @property
+    def closed(self):
+        return self._base == NULL
+
+    @property
+    def nontemporal(self):
+        """Name of the streaming-store path ``copy_in`` uses."""
+        for name, kind in NONTEMPORAL.items():
+            if kind == self._nt_kind:
+                return name
+
+    def address(self, int64_t offset):
+        """Address in this process of ``offset`` (``size`` is allowed: the end)."""
+        self._check(offset, 0)
+        return <uintptr_t>self._base + <uintptr_t>offset
+
+    def offset_of(self, uintptr_t address):
+        """Offset of an address inside this mapping."""
+        self._check(0, 0)
+        if address < <uintptr_t>self._base or address - <uintptr_t>self._base > self._size:
+            raise BoundsError(
+                f"address {address:#x} is outside region {self.path!r} mapped at "
+                f"{<uintptr_t>self._base:#x} with size {self._size}")
+        return address - <uintptr_t>self._base
+
+    # -------------------------------------------------------- buffer exports
+
+    def __getbuffer__(self, Py_buffer *buffer, int flags):
+        self._check(0, 0)
+        PyBuffer_FillInfo(buffer, self, self._base, self._size, 0, flags)
+        self._exports += 1
+
+    def __releasebuffer__(self, Py_buffer *buffer):
+        self._exports -= 1
+
+    def view(self, int64_t offset=0, length=None):
+        """Zero-copy numpy uint8 array over ``[offset, offset + length)``."""
+        import numpy
+        cdef int64_t n = (<int64_t>self._size - offset) if length is None else length
+        self._check(offset, n)
+        return numpy.frombuffer(self, dtype=numpy.uint8, count=n, offset=offset)
+
+    def close(self):
+        """Unmap.  Refused while views of the mapping are alive."""
+        if self._base == NULL:
+            return
+        if self._exports:
+            raise BufferError(
+                f"cannot close region {self.path!r}: {self._exports} buffer view(s) "
+                f"of it are still alive")
+        munmap(self._base, self._size)
+        self._base = NULL
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        state = "closed" if self._base == NULL else f"size={self._size}"
+        return f"<Region {self.path!r} {self.kind} {state} {self.cache_control}>"
+
+    # ----------------------------------------------- typed loads and stores
+
+    def load_u8(self, int64_t offset):
+        self._check(offset, 1)
+        return (<volatile uint8_t *>(self._base + offset))[0]
+
+    def load_u16(self, int64_t offset):
+        self._check_aligned(offset, 2)
+        return (<volatile uint16_t *>(self._base + offset))[0]
+
+    def load_u32(self, int64_t offset):
+        self._check_aligned(offset, 4)
+        return (<volatile uint32_t *>(self._base + offset))[0]
+
+    def load_u64(self, int64_t offset):
+        self._check_aligned(offset, 8)
+        return (<volatile uint64_t *>(self._base + offset))[0]
+
+    def store_u8(self, int64_t offset, value):
+        self._check(offset, 1)
+        (<volatile uint8_t *>(self._base + offset))[0] = _fit(value, 0xFF, "u8", offset)
+
+    def store_u16(self, int64_t offset, value):
+        self._check_aligned(offset, 2)
+        (<volatile uint16_t *>(self._base + offset))[0] = _fit(value, 0xFFFF, "u16", offset)
+
+    def store_u32(self, int64_t offset, value):
+        self._check_aligned(offset, 4)
+        (<volatile uint32_t *>(self._base + offset))[0] = _fit(value, 0xFFFFFFFF, "u32", offset)
+
+    def store_u64(self, int64_t offset, value):
+        self._check_aligned(offset, 8)
+        (<volatile uint64_t *>(self._base + offset))[0] = _fit(value, 0xFFFFFFFFFFFFFFFF, "u64", offset)
+
+    # -------------------------------------------------------- cache control
+
+    def flush(self, int64_t offset, int64_t length, bint payload=False):
+        """Write back and drop the lines of a range (R3, before publishing).
+
+        ``payload=True`` uses the pool's payload instruction, for bulk data
+        whose publication a later fence and metadata flush order.
+        """
+        self._check(offset, length)
+        with nogil:
+            tract_lines(self._payload_insn if payload else self._flush_insn,
+                        self._base + offset, length)
+
+    def invalidate(self, int64_t offset, int64_t length, bint payload=False):
+        """Drop the lines of a range so the next read comes from memory (R4).
+
+        ``payload=True`` as for `flush`; the caller fences before reading.
+        """
+        self._check(offset, length)
+        with nogil:
+            tract_lines(self._payload_insn if payload else self._invalidate_insn,
+                        self._base + offset, length)
+
+    def writeback(self, int64_t offset, int64_t length):
+        """Write back the lines of a range; they may stay cached."""
+        self._check(offset, length)
+        with nogil:
+            tract_lines(self._writeback_insn, self._base + offset, length)
+
+    def fence(self):
+        """Full fence: flushes, loads and stores before it complete first."""
+        tract_fence()
+
+    def store_fence(self):
+        """Store fence: orders stores, streaming stores, clflushopt and clwb."""
+        tract_store_fence()
+
+    def load_fence(self):
+        """Load fence: later loads wait for earlier loads and flushes."""
+        tract_load_fence()
+
+    # ------------------------------------------------------------- copying
+
+    def copy_in(self, int64_t offset, src, bint nontemporal=True):
+        """Copy a C-contiguous buffer into the mapping at ``offset``.
+
+        With ``nontemporal`` the bytes are in memory when this returns
+        (streaming stores, the partial end lines written back, one sfence):
+        no flush of the range is needed before publishing.  Without it this
+        is a plain copy and the caller flushes (R3).
+        """
+        cdef Py_buffer source
+        PyObject_GetBuffer(src, &source, PyBUF_SIMPLE)
+        try:
+            self._check(offset, source.len)
+            with nogil:
+                if nontemporal:
+                    tract_copy_in_nt(self._nt_kind, self._writeback_insn,
+                                     self._base + offset, <const char *>source.buf, source.len)
+                else:
+                    memcpy(self._base + offset, source.buf, source.len)
+        finally:
+            PyBuffer_Release(&source)
+
+    def copy_out(self, int64_t offset, dst):
+        """Copy ``len(dst)`` bytes at ``offset`` into a writable C-contiguous buffer.
+
+        The caller invalidates the range first when another host wrote it (R4).
+        """
+        cdef Py_buffer target
+        PyObject_GetBuffer(dst, &target, PyBUF_SIMPLE | PyBUF_WRITABLE)
+        try:
+            self._check(offset, target.len)
+            with nogil:
+                memcpy(target.buf, self._base + offset, target.len)
+        finally:
+            PyBuffer_Release(&target)
+
+    def read(self, int64_t offset, int64_t length):
+        """A copy of ``length`` bytes at ``offset`` as ``bytes``."""
+        self._check(offset, length)
+        return (self._base + offset)[:length]
+
+    def fill(self, int64_t offset, int64_t length, int byte=0):
+        """Set ``length`` bytes at ``offset`` to ``byte`` (plain stores)."""
+        self._check(offset, length)
+        if not 0 <= byte <= 0xFF:
+            raise ValueError(f"fill byte {byte} is not in 0..255")
+        with nogil:
+            memset(self._base + offset, byte, length)
+
+    # -------------------------------------------------- measured primitives
+
+    def time_flush_lines(self, int64_t offset, int64_t nlines, bint dirty, int repeats=3):
+        """Best nanoseconds per line to flush ``nlines`` lines, dirty or clean."""
+        self._check(offset, nlines * LINE)
+        cdef char *start = self._base + offset
+        cdef uint64_t t0, best = <uint64_t>-1
+        cdef int64_t i
+        cdef int r
+        with nogil:
+            for r in range(repeats):
+                tract_lines(self._flush_insn, start, nlines * TRACT_LINE)
+                tract_fence()
+                if dirty:
+                    for i in range(nlines):
+                        (<volatile uint64_t *>(start + i * TRACT_LINE))[0] += 1
+                t0 = _now_ns()
+                tract_lines(self._flush_insn, start, nlines * TRACT_LINE)
+                tract_fence()
+                t0 = _now_ns() - t0
+                if t0 < best:
+                    best = t0
+        return best / <double>nlines
+
+    def time_round_trip(self, int64_t offset, int64_t iterations):
+        """Nanoseconds per store + flush + fence on the line at ``offset``.
+
+        This is the unit the project's metadata costs are quoted in.
+        """
+        self._check_aligned(offset, 8)
+        cdef volatile uint64_t *word = <volatile uint64_t *>(self._base + offset)
+        cdef uint64_t t0
+        cdef int64_t i
+        with nogil:
+            t0 = _now_ns()
+            for i in range(iterations):
+                word[0] = <uint64_t>i
+                tract_lines(self._flush_insn, <const char *>word, 8)
+                tract_fence()
+            t0 = _now_ns() - t0
+        return t0 / <double>iterations
+
+
+cdef inline uint64_t _fit(value, uint64_t limit, str width, int64_t offset) except? 0:
+    if not 0 <= value <= limit:
+        raise OverflowError(f"value {value!r} does not fit in {width} (0..{limit}) at offset {offset}")
+    return <uint64_t>value
+
+
+def map_fd(int fd, size_t size, off_t file_offset, str path, str kind, cache_control,
+           bint populate=False):
+    """Map ``size`` bytes of ``fd`` from ``file_offset`` shared and read-write.
+
+    ``cache_control`` is a ``tract.platform.CacheControl``; its instruction
+    and streaming-copy names are resolved here once.
+    """
+    if size == 0:
+        raise ValueError(f"cannot map {path!r}: size is 0")
+    cdef int flags = MAP_SHARED | (MAP_POPULATE if populate else 0)
+    cdef void *base
+    with nogil:
+        base = mmap(NULL, size, PROT_READ | PROT_WRITE, flags, fd, file_offset)
+    if base == MAP_FAILED:
+        code = errno
+        raise OSError(code, f"mmap of {size} bytes at offset {file_offset} of {path!r} "
+                            f"(MAP_SHARED, read-write) failed: {strerror(code).decode()}", path)
+    cdef Region region = Region.__new__(Region)
+    region._base = <char *>base
+    region._size = size
+    region.path = path
+    region.kind = kind
+    region.cache_control = cache_control
+    region._flush_insn = INSTRUCTIONS[cache_control.flush]
+    region._invalidate_insn = INSTRUCTIONS[cache_control.invalidate]
+    region._writeback_insn = INSTRUCTIONS[cache_control.writeback]
+    region._payload_insn = INSTRUCTIONS[cache_control.payload]
+    region._nt_kind = NONTEMPORAL[cache_control.nontemporal]
+    return region

@@ -1,0 +1,31 @@
+"""Exceptions raised by tract.
+
+Every error tract raises derives from ``TractError``.  Errors about bad input
+also derive from the matching builtin (``IndexError``, ``ValueError``,
+``OSError``) so callers can catch them either way.
+"""
+
+__all__ = ["TractError", "BoundsError", "ConfigError", "CorruptionError", "DaxError"]
+
+
+class TractError(Exception):
+    """Base class of every error tract raises."""
+
+
+class BoundsError(TractError, IndexError):
+    """An offset or length lies outside a mapped region (nothing was touched)."""
+
+
+class ConfigError(TractError, ValueError):
+    """A configuration value (argument or environment variable) is invalid."""
+
+
+class CorruptionError(TractError):
+    """A value read from the pool is out of range (DESIGN.md R5).
+
+    The message names the structure and the offset it was read from.
+    """
+
+
+class DaxError(TractError, OSError):
+    """A device-DAX path breaks a rule for mapping it; the message names the rule."""
