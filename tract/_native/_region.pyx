@@ -295,7 +295,7 @@ cdef class Region:
         is a plain copy and the caller flushes (R3).
         """
         cdef Py_buffer source
-        PyObject_GetBuffer(src, &source, PyBUF_SIMPLE)
+        _get_buffer(src, &source, PyBUF_SIMPLE, "copy_in source")
         try:
             self._check(offset, source.len)
             with nogil:
@@ -313,7 +313,7 @@ cdef class Region:
         The caller invalidates the range first when another host wrote it (R4).
         """
         cdef Py_buffer target
-        PyObject_GetBuffer(dst, &target, PyBUF_SIMPLE | PyBUF_WRITABLE)
+        _get_buffer(dst, &target, PyBUF_SIMPLE | PyBUF_WRITABLE, "copy_out target")
         try:
             self._check(offset, target.len)
             with nogil:
@@ -375,6 +375,15 @@ cdef class Region:
                 tract_fence()
             t0 = _now_ns() - t0
         return t0 / <double>iterations
+
+
+cdef int _get_buffer(obj, Py_buffer *view, int flags, str what) except -1:
+    try:
+        PyObject_GetBuffer(obj, view, flags)
+    except (BufferError, ValueError, TypeError) as error:
+        need = "a writable C-contiguous buffer" if flags & PyBUF_WRITABLE else "a C-contiguous buffer"
+        raise type(error)(f"{what} must be {need} (got {type(obj).__name__}): {error}") from None
+    return 0
 
 
 cdef inline uint64_t _fit(value, uint64_t limit, str width, int64_t offset) except? 0:

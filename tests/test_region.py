@@ -1,0 +1,275 @@
+"""The native mapping: shared bytes across processes, bounds, modes, copies."""
+
+import mmap
+import multiprocessing
+import os
+import stat
+
+import numpy
+import pytest
+
+import tract
+from tract import platform
+from tract._native._region import map_fd
+from tract.errors import BoundsError, ConfigError
+from tract.region import create_region, open_region
+
+MIB = 1 << 20
+
+
+def _child_writes(path, queue):
+    # Map something first so this process's mapping lands at another address.
+    spacer = mmap.mmap(-1, 64 * MIB)
+    region = open_region(path)
+    region.store_u64(4096, 0x1122334455667788)
+    region.copy_in(8192, b"written by the child", nontemporal=True)
+    region.flush(4096, 64)
+    region.fence()
+    queue.put((region.base, region.read(0, 16)))
+    region.close()
+    spacer.close()
+
+
+@pytest.mark.multiprocess
+def test_two_processes_see_the_same_bytes_at_different_addresses(pool_path):
+    region = create_region(pool_path, 4 * MIB)
+    region.copy_in(0, b"parent header---")
+    region.flush(0, 16)
+    region.fence()
+    queue = multiprocessing.get_context("spawn").Queue()
+    child = multiprocessing.get_context("spawn").Process(target=_child_writes,
+                                                         args=(pool_path, queue))
+    child.start()
+    child_base, child_saw = queue.get(timeout=60)
+    child.join(timeout=60)
+    assert child.exitcode == 0
+    assert child_saw == b"parent header---"
+    assert child_base != region.base
+    region.invalidate(4096, 8192)
+    region.fence()
+    assert region.load_u64(4096) == 0x1122334455667788
+    assert region.read(8192, 20) == b"written by the child"
+    region.close()
+
+
+@pytest.mark.parametrize("call", [
+    lambda r: r.load_u8(r.size),
+    lambda r: r.load_u64(r.size - 4),
+    lambda r: r.load_u32(-4),
+    lambda r: r.store_u16(r.size, 1),
+    lambda r: r.read(r.size - 10, 11),
+    lambda r: r.read(5, -1),
+    lambda r: r.flush(0, r.size + 1),
+    lambda r: r.invalidate(r.size, 1),
+    lambda r: r.writeback(-64, 64),
+    lambda r: r.copy_in(r.size - 3, b"four"),
+    lambda r: r.copy_out(r.size - 3, bytearray(4)),
+    lambda r: r.view(r.size - 3, 4),
+    lambda r: r.fill(r.size - 1, 2),
+    lambda r: r.address(r.size + 1),
+    lambda r: r.offset_of(r.base - 1),
+    lambda r: r.offset_of(r.base + r.size + 1),
+    lambda r: r.time_flush_lines(r.size - 64, 2, True),
+])
+def test_bounds_violations_raise_and_touch_nothing(region, call):
+    region.fill(0, region.size, 0xAB)
+    with pytest.raises(BoundsError) as error:
+        call(region)
+    assert "outside region" in str(error.value)
+    assert str(region.size) in str(error.value) or "mapped at" in str(error.value)
+    assert (region.view() == 0xAB).all()
+
+
+def test_bounds_error_names_offset_length_and_size(region):
+    with pytest.raises(BoundsError, match=rf"offset {region.size - 3} \+ length 4 is outside "
+                                          rf"region .* of size {region.size}"):
+        region.read(region.size - 3, 4)
+    assert isinstance(BoundsError("x"), IndexError)
+
+
+@pytest.mark.parametrize("width", [2, 4, 8])
+def test_typed_access_must_be_aligned(region, width):
+    load = getattr(region, f"load_u{width * 8}")
+    store = getattr(region, f"store_u{width * 8}")
+    with pytest.raises(BoundsError, match=f"not aligned to {width} bytes"):
+        load(1)
+    with pytest.raises(BoundsError, match=f"not aligned to {width} bytes"):
+        store(width + 1, 0)
+
+
+@pytest.mark.parametrize("width", [8, 16, 32, 64])
+def test_typed_loads_and_stores_round_trip_little_endian(region, width):
+    top = (1 << width) - 1
+    store, load = getattr(region, f"store_u{width}"), getattr(region, f"load_u{width}")
+    store(64, top)
+    assert load(64) == top
+    value = 0x0102030405060708 & top
+    store(128, value)
+    assert load(128) == value
+    assert int.from_bytes(region.read(128, width // 8), "little") == value
+    with pytest.raises(OverflowError, match=f"value {top + 1} does not fit in u{width}"):
+        store(64, top + 1)
+    with pytest.raises(OverflowError, match="value -1 does not fit"):
+        store(64, -1)
+    assert load(64) == top
+
+
+def test_view_is_zero_copy_and_pins_the_mapping(region):
+    view = region.view(4096, 64)
+    view[:] = 7
+    assert region.load_u8(4096) == 7 and region.load_u8(4096 + 63) == 7
+    region.store_u8(4100, 9)
+    assert view[4] == 9
+    with pytest.raises(BufferError, match="1 buffer view"):
+        region.close()
+    del view
+    region.close()
+    assert region.closed
+    with pytest.raises(ValueError, match="is closed"):
+        region.load_u8(0)
+    region.close()  # closing twice is harmless
+
+
+def test_memoryview_and_address_helpers(region):
+    with memoryview(region) as view:
+        assert view.nbytes == region.size and not view.readonly
+    assert region.address(0) == region.base
+    assert region.offset_of(region.address(12345)) == 12345
+    assert region.address(region.size) == region.base + region.size
+
+
+def test_create_applies_mode_exactly_despite_umask(pool_path):
+    old = os.umask(0o077)
+    try:
+        create_region(pool_path, 4096, mode=0o640).close()
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(pool_path).st_mode) == 0o640
+    os.unlink(pool_path)
+    create_region(pool_path, 4096).close()
+    assert stat.S_IMODE(os.stat(pool_path).st_mode) == 0o600
+
+
+def test_create_with_group(pool_path):
+    gid = os.getgroups()[0] if os.getgroups() else os.getgid()
+    create_region(pool_path, 4096, mode=0o660, group=gid).close()
+    assert os.stat(pool_path).st_gid == gid
+    with pytest.raises(ConfigError, match="group 'no-such-group-tract' does not exist"):
+        create_region(pool_path + "x", 4096, group="no-such-group-tract")
+    assert not os.path.exists(pool_path + "x")
+
+
+def test_create_refuses_existing_and_bad_sizes(pool_path):
+    create_region(pool_path, 4096).close()
+    with pytest.raises(FileExistsError):
+        create_region(pool_path, 4096)
+    for size in (0, -1, 1.5, True):
+        with pytest.raises(ConfigError, match="positive number of bytes"):
+            create_region(pool_path + ".new", size)
+    with pytest.raises(ConfigError, match="not a permission mode"):
+        create_region(pool_path + ".new", 4096, mode=0o17777)
+
+
+def test_open_refuses_a_file_of_the_wrong_size(pool_path):
+    create_region(pool_path, 8192).close()
+    with pytest.raises(ConfigError, match=r"has 8192 bytes, expected 4096"):
+        open_region(pool_path, size=4096)
+    open_region(pool_path, size=8192).close()
+    with pytest.raises(ConfigError, match="only DAX devices take an offset"):
+        open_region(pool_path, offset=4096)
+
+
+def test_open_refuses_empty_files_directories_and_missing_paths(pool_path, tmp_path):
+    open(pool_path, "w").close()
+    with pytest.raises(ConfigError, match="positive number of bytes, got 0"):
+        open_region(pool_path)
+    with pytest.raises(IsADirectoryError):
+        open_region(tmp_path)
+    with pytest.raises(FileNotFoundError):
+        open_region(tmp_path / "missing")
+
+
+def test_coherence_and_flush_configuration_is_checked(pool_path):
+    with pytest.raises(ConfigError, match="coherence must be one of"):
+        create_region(pool_path, 4096, coherence="sometimes")
+    with pytest.raises(ConfigError, match="flush instruction must be one of"):
+        create_region(pool_path, 4096, flush="wbinvd")
+    assert not os.path.exists(pool_path)
+    region = create_region(pool_path, 4096, coherence="hardware")
+    assert region.cache_control.flush == "none"
+    region.store_u64(0, 5)
+    region.flush(0, 64)
+    region.invalidate(0, 64)
+    region.fence()
+    assert region.load_u64(0) == 5
+    region.close()
+
+
+SIZES = [0, 1, 63, 64, 65, 4095, 4096, 2 * MIB - 1, 2 * MIB, 2 * MIB + 1]
+
+
+def _kinds():
+    names = ["none"] + [k for k, f in (("sse2", "sse2"), ("avx2", "avx2"), ("avx512", "avx512f"))
+                        if platform.cpu_features()[f]]
+    return names
+
+
+@pytest.fixture(scope="module")
+def copy_regions():
+    path = f"/dev/shm/tract-test-copies-{os.getpid()}"
+    size = 4 * MIB + 8192
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    os.ftruncate(fd, size)
+    regions = {kind: map_fd(fd, size, 0, path, "file", _with_nt(kind)) for kind in _kinds()}
+    os.close(fd)
+    os.unlink(path)
+    yield regions
+    for region in regions.values():
+        region.close()
+
+
+def _with_nt(kind):
+    import dataclasses
+    return dataclasses.replace(platform.default_cache_control(), nontemporal=kind)
+
+
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("offset", [0, 64, 1, 7, 63, 4095])
+def test_nontemporal_and_plain_copies_give_identical_bytes(copy_regions, size, offset):
+    source = numpy.random.default_rng(size + offset).integers(0, 256, size, dtype=numpy.uint8)
+    guard = 8192 + size + offset
+    for kind, region in copy_regions.items():
+        for nontemporal in (True, False):
+            region.fill(0, guard + 64, 0x5A)
+            region.copy_in(offset, source, nontemporal=nontemporal)
+            out = numpy.zeros(size, dtype=numpy.uint8)
+            region.copy_out(offset, out)
+            assert numpy.array_equal(out, source), (kind, nontemporal)
+            around = region.view(0, guard + 64)
+            assert (around[:offset] == 0x5A).all(), (kind, nontemporal, "before")
+            assert (around[offset + size:] == 0x5A).all(), (kind, nontemporal, "after")
+            del around
+
+
+def test_copy_accepts_any_contiguous_buffer_and_refuses_others(region):
+    region.copy_in(0, bytearray(b"abc"))
+    region.copy_in(3, memoryview(b"def"))
+    region.copy_in(6, numpy.arange(2, dtype=numpy.uint16))
+    assert region.read(0, 10) == b"abcdef\x00\x00\x01\x00"
+    strided = numpy.arange(16, dtype=numpy.uint8)[::2]
+    with pytest.raises(ValueError, match="copy_in source must be a C-contiguous buffer"):
+        region.copy_in(0, strided)
+    with pytest.raises(BufferError, match="copy_out target must be a writable"):
+        region.copy_out(0, b"read-only")
+    with pytest.raises(TypeError, match=r"copy_in source must be .* \(got int\)"):
+        region.copy_in(0, 5)
+
+
+def test_fill_checks_its_byte(region):
+    with pytest.raises(ValueError, match="fill byte 256"):
+        region.fill(0, 4, 256)
+
+
+def test_public_api_is_explicit():
+    for name in tract.__all__:
+        assert hasattr(tract, name), name
