@@ -31,8 +31,8 @@ DEFAULT_DAX_ALIGN = 2 << 20
 
 
 def is_dax_path(path: str | os.PathLike) -> bool:
-    """Whether a path names a device-DAX instance (``/dev/daxX.Y``)."""
-    return platform._DAX_NAME.match(Path(path).name) is not None and str(path).startswith("/dev/")
+    """Whether a path is named like a device-DAX instance (``daxX.Y``)."""
+    return platform._DAX_NAME.match(Path(path).name) is not None
 
 
 def create_region(path: str | os.PathLike, size: int, *, mode: int = 0o600,
@@ -156,6 +156,9 @@ def _open_dax(path: str, size: int | None, offset: int, control, populate: bool,
         st = os.stat(path)
     except FileNotFoundError:
         raise DaxError(errno.ENOENT, f"DAX device {path!r} does not exist", path) from None
+    except PermissionError:
+        raise DaxError(errno.EACCES, f"no permission to reach {path!r}: a directory on the way "
+                                     f"is not searchable by this user", path) from None
     if not stat.S_ISCHR(st.st_mode):
         raise DaxError(errno.ENODEV, f"{path!r} is not a character device: device DAX is "
                                      f"mapped through /dev/daxX.Y", path)
