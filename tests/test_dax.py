@@ -8,9 +8,11 @@ mmap, then fails as a real non-DAX device would.
 import errno
 import os
 import stat
+import shutil
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -21,8 +23,18 @@ MIB = 1 << 20
 
 
 @pytest.fixture
-def dax(tmp_path):
-    """(device path, sysfs root, sysfs entry) for a fake dax9.0 of 64 MiB."""
+def dax():
+    """(device path, sysfs root, sysfs entry) for a fake dax9.0 of 64 MiB, in
+    a tree any user may search."""
+    root = Path(tempfile.mkdtemp(dir="/dev/shm", prefix="tract-test-dax-"))
+    os.chmod(root, 0o755)
+    try:
+        yield _make_dax(root)
+    finally:
+        shutil.rmtree(root)
+
+
+def _make_dax(tmp_path):
     null = os.stat("/dev/null").st_rdev
     device = tmp_path / "dev" / "dax9.0"
     device.parent.mkdir()
@@ -112,11 +124,8 @@ def test_no_permission(dax, reachable):
     path, sysfs, _ = dax
     if os.geteuid() != 0:
         pytest.skip("needs root to drop privileges")
-    if reachable:  # the device node itself is 0600 root; its directory is open
-        public = tempfile.mkdtemp(dir="/dev/shm")
-        os.chmod(public, 0o755)
-        path = os.path.join(public, "dax9.0")
-        os.mknod(path, 0o600 | stat.S_IFCHR, os.stat("/dev/null").st_rdev)
+    # The device node is 0600 root; its directory is searchable or not.
+    os.chmod(os.path.dirname(path), 0o755 if reachable else 0o700)
     script = (
         "import os, sys\n"
         "from tract.errors import DaxError\n"
@@ -130,9 +139,6 @@ def test_no_permission(dax, reachable):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     done = subprocess.run([sys.executable, "-c", script, path, sysfs], capture_output=True,
                           text=True, env=env, timeout=60)
-    if reachable:
-        os.unlink(path)
-        os.rmdir(os.path.dirname(path))
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith(f"{errno.EACCES} ")
     if reachable:

@@ -1,0 +1,79 @@
+"""The `tract` command: info, bench (JSON schema) and the demo."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tract import bench
+from tract.cli import main
+
+
+def _tract(*args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "tract.cli", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_info_json_reports_the_instruction_choice():
+    done = _tract("info", "--json")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    control = report["cache_control"]
+    assert {"chosen", "flush", "invalidate", "writeback", "payload", "fence", "source"} <= set(control)
+    assert report["default_coherence"] == "none"
+    assert "numa_nodes" in report and "dax_devices" in report and report["cpu_model"]
+
+
+def test_info_text(capsys):
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "chosen" in out and "coherence      none" in out
+
+
+def test_bench_list_and_unknown(capsys):
+    assert main(["bench", "--list"]) == 0
+    assert "region" in capsys.readouterr().out.split()
+    assert main(["bench", "no-such-bench"]) == 2
+    assert "unknown benchmark 'no-such-bench'" in capsys.readouterr().err
+    assert main(["bench"]) == 2
+
+
+@pytest.mark.slow
+def test_bench_region_json_schema():
+    done = _tract("bench", "region", "--json", "--quick")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["bench"] == "region"
+    assert {"cpu_model", "cores", "cache_control"} <= set(report["machine"])
+    names = set()
+    for result in report["results"]:
+        assert set(result) == {"name", "value", "unit", "baseline", "baseline_value", "ratio"}
+        assert isinstance(result["value"], float) and result["value"] > 0
+        assert "is better" in result["unit"]
+        if result["baseline"] is None:
+            assert result["ratio"] is None and result["baseline_value"] is None
+        else:
+            assert result["ratio"] == pytest.approx(
+                result["value"] / result["baseline_value"] if "higher" in result["unit"]
+                else result["baseline_value"] / result["value"])
+        names.add(result["name"])
+    for size in ("256KiB", "2MiB", "16MiB"):
+        assert f"copy_in_nt[{size}]" in names and f"copy_out[{size}]" in names
+    assert "store_flush_fence[clflush]" in names and "flush_dirty_line[clflush]" in names
+
+
+def test_result_ratio_orientation():
+    rate = bench.Result("r", 20.0, "GB/s", True, "base", 10.0)
+    cost = bench.Result("c", 20.0, "ns", False, "base", 10.0)
+    assert rate.ratio == 2.0 and cost.ratio == 0.5
+    assert bench.Result("x", 1.0, "ns", False).ratio is None
+
+
+@pytest.mark.multiprocess
+def test_demo_runs_and_verifies():
+    done = _tract("demo", "--quick", "--json")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["verified"] and report["blocks"] == 64
+    assert report["reader"]["bad_blocks"] == [] and report["write_gbps"] > 0
