@@ -14,7 +14,7 @@ $(VENV)/bin/python:
 # torch is pinned to the local CPU build when a later issue needs it; no
 # other spec may pull a CUDA build onto a CPU machine.
 $(STAMP): $(VENV)/bin/python $(SOURCES)
-	$(PY) -m pip install -q "setuptools>=68" wheel "Cython>=3.1" numpy
+	$(PY) -m pip install -q "setuptools>=77" wheel "Cython>=3.1" numpy
 	$(PY) -m pip install -q --no-build-isolation -e ".[test]"
 	$(PY) setup.py -q build_ext --inplace
 	touch $(STAMP)
