@@ -22,9 +22,11 @@ $(STAMP): $(VENV)/bin/python $(SOURCES)
 demo: $(STAMP)
 	$(VENV)/bin/tract demo
 
-# Every tier: unit, slow, multi-process, then the asv suite once in quick mode.
+# Every tier: unit, slow, multi-process and simulated tests, the mutation
+# harness over every protocol module, then the asv suite once in quick mode.
 test: $(STAMP)
 	$(PY) -m pytest -q -ra
+	$(PY) -m tract.testing.mutants
 	$(MAKE) asv
 
 test-fast: $(STAMP)

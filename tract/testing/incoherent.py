@@ -1,0 +1,474 @@
+"""A simulator of non-coherent shared memory, for proving tract's protocols
+on machines whose memory is coherent (DESIGN.md §5).
+
+Model.  `SimPool` holds the pool's memory and N simulated hosts.  Each
+`SimHost` offers the interface of a native `tract.Region` (views, typed loads
+and stores, flush, invalidate, write-back, fences, copies), so protocol code
+runs on it unchanged.  A host sees the pool through a private copy, its
+"cache", with per 64-byte line:
+
+- a snapshot of what it last fetched, and the memory version it fetched;
+- a dirty mark (any store; bytes written through a view are found by
+  comparing the line with its snapshot).
+
+Cache semantics, as on x86 with clflushopt/clwb (and aarch64 dc + dsb):
+
+- ``flush`` writes the host's dirty lines back, then drops them (the next
+  read refetches); ``invalidate`` drops them, writing back a dirty line first
+  (as clflush does); ``writeback`` writes back and keeps the line;
+- all three are weakly ordered: each only queues its lines, and the queue
+  completes at the host's next fence, or earlier at random (chaos);
+- at every synchronisation call, with probability ``chaos``, random lines of
+  random hosts are spontaneously written back (eviction) or refetched
+  (prefetch), and random queued operations complete early, in any order;
+- a line a host never drops stays stale for ever: with ``chaos=0`` nothing
+  but the protocol's own flushes moves data, so progress that relies on
+  luck shows up as a livelock.
+
+Detection.  A write-back that overwrites bytes another host wrote back after
+this host fetched the line is a `LostUpdate` (R2 broken); a read of a line
+that another host has written back since this host fetched it is a
+`StaleRead` (R4 broken).  Both are recorded with offsets, hosts and a short
+trace; ``raise_on_lost_update`` / ``raise_on_stale_read`` raise at once.
+
+Scheduling.  `SimPool.run` runs one function per host in threads, but only
+one at a time: a seeded scheduler passes the baton between them at every
+simulated memory operation, so a seed fixes the interleaving, the chaos and
+therefore the whole run, bit for bit.  A failing run raises
+`SimulationFailure` carrying its seed.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import random
+import threading
+
+import numpy
+
+from tract.errors import BoundsError, TractError
+from tract.platform import CacheControl
+
+__all__ = [
+    "LINE",
+    "LostUpdate",
+    "SimHost",
+    "SimPool",
+    "SimulationFailure",
+    "StaleRead",
+]
+
+LINE = 64
+_SIM_CONTROL = CacheControl("none", "simulated", "simulated", "simulated", "simulated",
+                            "simulated", "simulated", "simulated", "simulator")
+
+
+class SimulationFailure(TractError):
+    """A simulated run failed; the message names the seed that replays it."""
+
+    def __init__(self, message: str, seed: int):
+        super().__init__(f"{message} [replay with seed={seed}]")
+        self.seed = seed
+
+
+class _Abort(BaseException):
+    """Unwinds a simulated host when the run is being torn down."""
+
+
+@dataclasses.dataclass
+class LostUpdate:
+    """A write-back clobbered bytes another host had written back (R2)."""
+
+    line_offset: int
+    offsets: list[int]
+    host: int
+    overwritten_host: int
+    trace: list[str]
+
+
+@dataclasses.dataclass
+class StaleRead:
+    """A host read a line another host had written back since it fetched it (R4)."""
+
+    line_offset: int
+    host: int
+    writer: int
+    trace: list[str]
+
+
+class _LostUpdateError(TractError):
+    pass
+
+
+class _StaleReadError(TractError):
+    pass
+
+
+class SimPool:
+    """Backing memory plus ``hosts`` simulated hosts; see the module docstring.
+
+    Parameters
+    ----------
+    size : int
+        Bytes of pool memory (zeroed).
+    hosts : int
+        Number of simulated hosts; ``pool.hosts[i]`` is host ``i``'s region.
+    seed : int
+        Seeds the scheduler and the chaos; the same seed replays the run.
+    chaos : float
+        Probability, at each synchronisation call, of spontaneous cache
+        events (write-backs, refetches, early completion of queued flushes).
+    switch : float
+        Probability of switching to another host at each memory operation.
+    max_steps : int
+        Operations after which a run counts as a livelock.
+    """
+
+    def __init__(self, size: int, hosts: int = 2, *, seed: int = 0, chaos: float = 0.2,
+                 chaos_events: int = 3, switch: float = 0.3, max_steps: int = 200_000,
+                 raise_on_lost_update: bool = False, raise_on_stale_read: bool = False):
+        if size <= 0 or size % LINE:
+            raise ValueError(f"simulated pool size {size} must be a positive multiple of {LINE}")
+        if hosts < 1:
+            raise ValueError(f"a simulated pool needs at least one host, got {hosts}")
+        self.size = size
+        self.seed = seed
+        self.chaos = chaos
+        self.chaos_events = chaos_events
+        self.switch = switch
+        self.max_steps = max_steps
+        self.raise_on_lost_update = raise_on_lost_update
+        self.raise_on_stale_read = raise_on_stale_read
+        self.rng = random.Random(seed)
+        self.memory = numpy.zeros(size, dtype=numpy.uint8)
+        lines = size // LINE
+        self.version = numpy.zeros(lines, dtype=numpy.int64)
+        self.last_writer = numpy.full(lines, -1, dtype=numpy.int64)
+        self.lost_updates: list[LostUpdate] = []
+        self.stale_reads: list[StaleRead] = []
+        self.trace: collections.deque[str] = collections.deque(maxlen=24)
+        self.steps = 0
+        self._hot: dict[int, None] = {}  # lines touched, in first-touch order
+        self.hosts = [SimHost(self, index) for index in range(hosts)]
+        # scheduler state
+        self._baton = threading.Condition()
+        self._running: int | None = None
+        self._alive: list[int] = []
+        self._aborting = False
+
+    # ------------------------------------------------------------ running
+
+    def run(self, *functions) -> list:
+        """Run ``functions[i](self.hosts[i])`` for each i, interleaved by the
+        seeded scheduler.  Returns their results; raises `SimulationFailure`
+        (naming the seed) if any raised or the run exceeded ``max_steps``."""
+        if len(functions) > len(self.hosts):
+            raise ValueError(f"{len(functions)} functions for {len(self.hosts)} hosts")
+        results: list = [None] * len(functions)
+        errors: list[tuple[int, BaseException]] = []
+
+        def body(index: int) -> None:
+            with self._baton:
+                while self._running != index:
+                    self._baton.wait()
+            try:
+                results[index] = functions[index](self.hosts[index])
+            except _Abort:
+                pass
+            except BaseException as error:  # reported with the seed below
+                errors.append((index, error))
+                self._aborting = True
+            finally:
+                with self._baton:
+                    self._alive.remove(index)
+                    self._running = self.rng.choice(self._alive) if self._alive else None
+                    self._baton.notify_all()
+
+        self._alive = list(range(len(functions)))
+        self._aborting = False
+        threads = [threading.Thread(target=body, args=(i,), daemon=True)
+                   for i in range(len(functions))]
+        for thread in threads:
+            thread.start()
+        with self._baton:
+            self._running = self.rng.choice(self._alive)
+            self._baton.notify_all()
+        for thread in threads:
+            thread.join()
+        if errors:
+            index, error = errors[0]
+            raise SimulationFailure(f"host {index} failed: {type(error).__name__}: {error}",
+                                    self.seed) from error
+        return results
+
+    def _step(self, host: int, what: str, line: int) -> None:
+        """One simulated operation: maybe switch hosts, count, trace."""
+        self.steps += 1
+        self.trace.append(f"h{host} {what} @{line * LINE}")
+        if line >= 0:
+            self._hot.setdefault(line)
+        if self._aborting:
+            raise _Abort()
+        if self.steps > self.max_steps:
+            self._aborting = True
+            raise SimulationFailure(f"no progress after {self.max_steps} operations "
+                                    f"(livelock); last: {list(self.trace)[-6:]}", self.seed)
+        if self._running is None or len(self._alive) < 2 or self.rng.random() >= self.switch:
+            return
+        target = self.rng.choice(self._alive)
+        if target == host:
+            return
+        with self._baton:
+            self._running = target
+            self._baton.notify_all()
+            while self._running != host:
+                self._baton.wait()
+        if self._aborting:
+            raise _Abort()
+
+    def _chaos(self) -> None:
+        """Spontaneous cache events at a synchronisation call."""
+        if self.chaos <= 0 or self.rng.random() >= self.chaos or not self._hot:
+            return
+        hot = list(self._hot)
+        for _ in range(self.chaos_events):
+            host = self.hosts[self.rng.randrange(len(self.hosts))]
+            event = self.rng.random()
+            if event < 0.4 and host._queue:
+                line = self.rng.choice(list(host._queue))
+                host._complete(line, host._queue.pop(line))
+            else:
+                line = self.rng.choice(hot)
+                if event < 0.7:
+                    host._write_back(line)   # eviction (no-op when clean)
+                else:
+                    host._refetch(line)      # prefetch (writes back a dirty line first)
+
+
+class SimHost:
+    """One simulated host's view of a `SimPool`, with a native Region's interface."""
+
+    def __init__(self, pool: SimPool, index: int):
+        self.pool = pool
+        self.index = index
+        self.path = f"<simulated pool, host {index}>"
+        self.kind = "simulated"
+        self.cache_control = _SIM_CONTROL
+        self.nontemporal = "simulated"
+        self.closed = False
+        self._cache = pool.memory.copy()
+        self._snapshot = pool.memory.copy()
+        self._fetched = pool.version.copy()
+        self._marked = numpy.zeros(len(pool.version), dtype=bool)
+        self._queue: dict[int, str] = {}  # line -> "flush" | "invalidate" | "writeback"
+
+    # ---------------------------------------------------------- interface
+
+    @property
+    def size(self) -> int:
+        return self.pool.size
+
+    @property
+    def base(self) -> int:
+        return (self.index + 1) << 40  # distinct per host, as real mappings are
+
+    def address(self, offset: int) -> int:
+        self._check(offset, 0)
+        return self.base + offset
+
+    def offset_of(self, address: int) -> int:
+        if not self.base <= address <= self.base + self.size:
+            raise BoundsError(f"address {address:#x} is outside region {self.path!r} mapped "
+                              f"at {self.base:#x} with size {self.size}")
+        return address - self.base
+
+    def view(self, offset: int = 0, length: int | None = None) -> numpy.ndarray:
+        """The host's private copy: reads may be stale, writes dirty its lines."""
+        length = self.size - offset if length is None else length
+        self._check(offset, length)
+        return self._cache[offset:offset + length]
+
+    def close(self) -> None:
+        self.closed = True
+
+    def load_u8(self, offset: int) -> int:
+        return self._load(offset, 1)
+
+    def load_u16(self, offset: int) -> int:
+        return self._load(offset, 2)
+
+    def load_u32(self, offset: int) -> int:
+        return self._load(offset, 4)
+
+    def load_u64(self, offset: int) -> int:
+        return self._load(offset, 8)
+
+    def store_u8(self, offset: int, value: int) -> None:
+        self._store(offset, 1, value)
+
+    def store_u16(self, offset: int, value: int) -> None:
+        self._store(offset, 2, value)
+
+    def store_u32(self, offset: int, value: int) -> None:
+        self._store(offset, 4, value)
+
+    def store_u64(self, offset: int, value: int) -> None:
+        self._store(offset, 8, value)
+
+    def read(self, offset: int, length: int) -> bytes:
+        self._check(offset, length)
+        self._read_lines(offset, length, "read")
+        return self._cache[offset:offset + length].tobytes()
+
+    def copy_out(self, offset: int, dst) -> None:
+        target = memoryview(dst).cast("B")
+        if target.readonly:
+            raise BufferError("copy_out target must be a writable C-contiguous buffer")
+        self._check(offset, target.nbytes)
+        self._read_lines(offset, target.nbytes, "copy_out")
+        target[:] = self._cache[offset:offset + target.nbytes].tobytes()
+
+    def copy_in(self, offset: int, src, nontemporal: bool = True) -> None:
+        source = numpy.frombuffer(memoryview(src).cast("B"), dtype=numpy.uint8)
+        self._check(offset, source.nbytes)
+        self._write_lines(offset, source.nbytes, "copy_in")
+        self._cache[offset:offset + source.nbytes] = source
+        if nontemporal:
+            # Streaming stores and the closing sfence: in memory on return.
+            for line in self._lines(offset, source.nbytes):
+                self._write_back(line)
+
+    def fill(self, offset: int, length: int, byte: int = 0) -> None:
+        if not 0 <= byte <= 0xFF:
+            raise ValueError(f"fill byte {byte} is not in 0..255")
+        self._check(offset, length)
+        self._write_lines(offset, length, "fill")
+        self._cache[offset:offset + length] = byte
+
+    def flush(self, offset: int, length: int, payload: bool = False) -> None:
+        self._enqueue(offset, length, "flush")
+
+    def invalidate(self, offset: int, length: int, payload: bool = False) -> None:
+        self._enqueue(offset, length, "invalidate")
+
+    def writeback(self, offset: int, length: int) -> None:
+        self._enqueue(offset, length, "writeback")
+
+    def fence(self) -> None:
+        self._fence("fence")
+
+    def store_fence(self) -> None:
+        self._fence("store_fence")
+
+    def load_fence(self) -> None:
+        self._fence("load_fence")
+
+    # ------------------------------------------------------------ internals
+
+    def _check(self, offset: int, length: int, width: int = 1) -> None:
+        if self.closed:
+            raise ValueError(f"region {self.path!r} is closed")
+        if offset < 0 or length < 0 or offset + length > self.size:
+            raise BoundsError(f"offset {offset} + length {length} is outside region "
+                              f"{self.path!r} of size {self.size}")
+        if offset % width:
+            raise BoundsError(f"offset {offset} is not aligned to {width} bytes for a "
+                              f"{width * 8}-bit access in region {self.path!r}")
+
+    @staticmethod
+    def _lines(offset: int, length: int) -> range:
+        if length == 0:
+            return range(0)
+        return range(offset // LINE, (offset + length - 1) // LINE + 1)
+
+    def _load(self, offset: int, width: int) -> int:
+        self._check(offset, width, width)
+        self._read_lines(offset, width, f"load_u{width * 8}")
+        return int.from_bytes(self._cache[offset:offset + width].tobytes(), "little")
+
+    def _store(self, offset: int, width: int, value: int) -> None:
+        self._check(offset, width, width)
+        if not 0 <= value < 1 << (width * 8):
+            raise OverflowError(f"value {value!r} does not fit in u{width * 8} at offset {offset}")
+        self._write_lines(offset, width, f"store_u{width * 8}")
+        self._cache[offset:offset + width] = numpy.frombuffer(
+            value.to_bytes(width, "little"), dtype=numpy.uint8)
+
+    def _read_lines(self, offset: int, length: int, what: str) -> None:
+        pool = self.pool
+        for line in self._lines(offset, length):
+            pool._step(self.index, what, line)
+            writer = int(pool.last_writer[line])
+            if pool.version[line] > self._fetched[line] and writer != self.index:
+                record = StaleRead(line * LINE, self.index, writer, list(pool.trace))
+                pool.stale_reads.append(record)
+                if pool.raise_on_stale_read:
+                    raise _StaleReadError(f"host {self.index} read line {line * LINE} that host "
+                                          f"{writer} wrote back after it fetched it")
+
+    def _write_lines(self, offset: int, length: int, what: str) -> None:
+        for line in self._lines(offset, length):
+            self.pool._step(self.index, what, line)
+            self._marked[line] = True
+
+    def _enqueue(self, offset: int, length: int, kind: str) -> None:
+        self._check(offset, length)
+        for line in self._lines(offset, length):
+            self.pool._step(self.index, kind, line)
+            queued = self._queue.get(line)
+            # flush subsumes both; invalidate + writeback = flush
+            if queued is None:
+                self._queue[line] = kind
+            elif queued != kind:
+                self._queue[line] = "flush"
+        self.pool._chaos()
+
+    def _fence(self, what: str) -> None:
+        self.pool._step(self.index, what, -1)
+        queue, self._queue = self._queue, {}
+        for line, kind in queue.items():
+            self._complete(line, kind)
+        self.pool._chaos()
+
+    def _complete(self, line: int, kind: str) -> None:
+        if kind == "writeback":
+            self._write_back(line)
+        else:
+            self._refetch(line)  # writes back first when dirty
+
+    def _dirty(self, line: int) -> bool:
+        span = slice(line * LINE, (line + 1) * LINE)
+        return bool(self._marked[line]) or not numpy.array_equal(self._cache[span],
+                                                                 self._snapshot[span])
+
+    def _write_back(self, line: int) -> None:
+        if not self._dirty(line):
+            return
+        pool = self.pool
+        span = slice(line * LINE, (line + 1) * LINE)
+        if pool.version[line] != self._fetched[line]:
+            memory, mine = pool.memory[span], self._cache[span]
+            clobbered = numpy.flatnonzero((memory != self._snapshot[span]) & (mine != memory))
+            if clobbered.size:
+                record = LostUpdate(line * LINE, [line * LINE + int(i) for i in clobbered],
+                                    self.index, int(pool.last_writer[line]), list(pool.trace))
+                pool.lost_updates.append(record)
+                if pool.raise_on_lost_update:
+                    raise _LostUpdateError(
+                        f"host {self.index} wrote back line {line * LINE} over bytes "
+                        f"{record.offsets[:4]} written by host {record.overwritten_host}")
+        pool.memory[span] = self._cache[span]
+        pool.version[line] += 1
+        pool.last_writer[line] = self.index
+        self._snapshot[span] = self._cache[span]
+        self._fetched[line] = pool.version[line]
+        self._marked[line] = False
+
+    def _refetch(self, line: int) -> None:
+        self._write_back(line)
+        pool = self.pool
+        span = slice(line * LINE, (line + 1) * LINE)
+        self._cache[span] = pool.memory[span]
+        self._snapshot[span] = pool.memory[span]
+        self._fetched[line] = pool.version[line]

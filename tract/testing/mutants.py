@@ -1,0 +1,214 @@
+"""Mutation harness: delete each cache-control call in a protocol module in
+turn and check that the module's simulated tests notice.
+
+A *site* is one call of ``flush``, ``invalidate``, ``writeback``, ``fence``,
+``store_fence`` or ``load_fence`` in the module's source.  A mutant is the
+module with one site removed (the statement becomes ``pass``).  Each mutant
+runs the module's simulated tests (pytest marker ``sim``) in a fresh
+process; a mutant whose tests still pass *survives*, which means that call is
+either unneeded or untested — either way a finding.
+
+    python -m tract.testing.mutants [--json] [--module M] [--seeds N] [--jobs J]
+
+exits non-zero when any mutant survives (or a run errs), and with ``--json``
+prints ``{"sites": n, "killed": k, "survivors": [{"module", "line", "kind"}]}``.
+
+Protocol modules register their simulated test files in `SUITES`; each
+protocol issue adds its module there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import concurrent.futures
+import dataclasses
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+__all__ = ["SUITES", "SYNC_CALLS", "Site", "mutate", "run_mutant", "sites"]
+
+SYNC_CALLS = ("flush", "invalidate", "writeback", "fence", "store_fence", "load_fence")
+
+# protocol module -> its simulated test files, relative to the repository root
+SUITES: dict[str, list[str]] = {
+    "tract.testing.mailbox": ["tests/test_incoherent.py"],
+}
+
+MUTANT_ENV = "TRACT_MUTANT"
+SEEDS_ENV = "TRACT_SIM_SEEDS"
+
+
+@dataclasses.dataclass(frozen=True)
+class Site:
+    """One cache-control call: where it is and what it does."""
+
+    module: str
+    index: int
+    line: int
+    col: int
+    kind: str
+    function: str
+
+    def as_dict(self) -> dict:
+        return {"module": self.module, "line": self.line, "kind": self.kind,
+                "function": self.function}
+
+
+def _source(module: str) -> tuple[str, str]:
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+        raise ValueError(f"{module!r} is not a Python source module")
+    return spec.origin, Path(spec.origin).read_text()
+
+
+def _calls(tree: ast.AST):
+    """(call node, enclosing function name) for every sync call, in source order."""
+    found = []
+
+    def visit(node: ast.AST, function: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            name = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) \
+                else function
+            if isinstance(child, ast.Call) and isinstance(child.func, ast.Attribute) \
+                    and child.func.attr in SYNC_CALLS:
+                found.append((child, function))
+            visit(child, name)
+
+    visit(tree, "<module>")
+    return sorted(found, key=lambda item: (item[0].lineno, item[0].col_offset))
+
+
+def sites(module: str) -> list[Site]:
+    """Every cache-control call site of ``module``, in source order."""
+    _, source = _source(module)
+    return [Site(module, index, call.lineno, call.col_offset, call.func.attr, function)
+            for index, (call, function) in enumerate(_calls(ast.parse(source)))]
+
+
+class _Remove(ast.NodeTransformer):
+    def __init__(self, target: ast.Call):
+        self.target = target
+
+    def visit_Expr(self, node: ast.Expr):
+        if node.value is self.target:
+            return ast.copy_location(ast.Pass(), node)
+        return self.generic_visit(node)
+
+    def visit_Call(self, node: ast.Call):
+        if node is self.target:
+            return ast.copy_location(ast.Constant(None), node)
+        return self.generic_visit(node)
+
+
+def mutate(site: Site) -> types.ModuleType:
+    """A fresh module object: ``site.module`` with that one call removed."""
+    path, source = _source(site.module)
+    tree = ast.parse(source)
+    call, _ = _calls(tree)[site.index]
+    tree = ast.fix_missing_locations(_Remove(call).visit(tree))
+    module = types.ModuleType(site.module)
+    module.__file__ = path
+    module.__package__ = site.module.rpartition(".")[0]
+    # Decorators such as dataclass look the module up while it executes.
+    original = sys.modules.get(site.module)
+    sys.modules[site.module] = module
+    try:
+        exec(compile(tree, path, "exec"), module.__dict__)
+    finally:
+        if original is not None:
+            sys.modules[site.module] = original
+        else:
+            del sys.modules[site.module]
+    return module
+
+
+def _install(site: Site) -> None:
+    module = mutate(site)
+    sys.modules[site.module] = module
+    parent, _, child = site.module.rpartition(".")
+    if parent in sys.modules:
+        setattr(sys.modules[parent], child, module)
+
+
+def pytest_configure(config) -> None:
+    """pytest plugin hook (``-p tract.testing.mutants``): install the mutant
+    named by TRACT_MUTANT=module:index before the tests import the module."""
+    spec = os.environ.get(MUTANT_ENV)
+    if spec:
+        module, _, index = spec.rpartition(":")
+        _install(sites(module)[int(index)])
+
+
+def run_mutant(site: Site | None, module: str, root: Path, seeds: int,
+               timeout: float = 900) -> str:
+    """Run ``module``'s simulated tests against one mutant (None: the
+    unmutated module).  Returns "passed", "failed" or "error: ..."."""
+    env = dict(os.environ, **{SEEDS_ENV: str(seeds)})
+    env.pop(MUTANT_ENV, None)
+    if site is not None:
+        env[MUTANT_ENV] = f"{module}:{site.index}"
+    command = [sys.executable, "-m", "pytest", "-q", "-x", "-m", "sim", "-p", "no:cacheprovider",
+               "-p", "tract.testing.mutants", *SUITES[module]]
+    try:
+        done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return "failed"  # a mutant that hangs its tests is caught by them
+    if done.returncode == 0:
+        return "passed"
+    if done.returncode == 1:
+        return "failed"
+    return f"error: pytest exit {done.returncode}: {(done.stdout + done.stderr)[-400:]}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tract.testing.mutants",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--module", action="append", choices=sorted(SUITES),
+                        help="protocol module to mutate (default: all)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--seeds", type=int, default=40,
+                        help="simulator seeds per test for each mutant (default 40)")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--root", type=Path, default=Path.cwd(),
+                        help="repository root holding the tests (default: .)")
+    args = parser.parse_args(argv)
+    modules = args.module or sorted(SUITES)
+
+    errors: list[dict] = []
+    for module in modules:
+        baseline = run_mutant(None, module, args.root, args.seeds)
+        if baseline != "passed":
+            errors.append({"module": module, "mutant": None, "result": baseline})
+    every = [site for module in modules for site in sites(module)]
+    with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        outcomes = list(pool.map(
+            lambda site: run_mutant(site, site.module, args.root, args.seeds), every))
+    survivors = [site.as_dict() for site, outcome in zip(every, outcomes) if outcome == "passed"]
+    errors += [dict(site.as_dict(), result=outcome) for site, outcome in zip(every, outcomes)
+               if outcome.startswith("error")]
+    killed = sum(outcome == "failed" for outcome in outcomes)
+    report = {"sites": len(every), "killed": killed, "survivors": survivors}
+    if errors:
+        report["errors"] = errors
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(f"{len(every)} sites in {', '.join(modules)}: {killed} killed, "
+              f"{len(survivors)} survived, {len(errors)} errors")
+        for survivor in survivors:
+            print(f"  SURVIVED {survivor['module']}:{survivor['line']} {survivor['kind']} "
+                  f"in {survivor['function']}")
+        for error in errors:
+            print(f"  ERROR {error}")
+    return 1 if survivors or errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
