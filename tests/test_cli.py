@@ -77,3 +77,9 @@ def test_demo_runs_and_verifies():
     report = json.loads(done.stdout)
     assert report["verified"] and report["blocks"] == 64
     assert report["reader"]["bad_blocks"] == [] and report["write_gbps"] > 0
+
+
+def test_bench_incoherent_reports_a_ratio(capsys):
+    report = bench.run("incoherent", quick=True)
+    (result,) = report["results"]
+    assert result["name"] == "simulated_operation" and result["ratio"] > 0

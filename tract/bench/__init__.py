@@ -21,6 +21,7 @@ __all__ = ["BENCHMARKS", "Result", "machine", "median_time", "run"]
 
 # name -> module under tract.bench that defines run(quick)
 BENCHMARKS = {
+    "incoherent": "tract.bench.incoherent",
     "region": "tract.bench.region",
 }
 
