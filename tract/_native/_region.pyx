@@ -23,6 +23,8 @@ from posix.mman cimport MAP_FAILED, MAP_SHARED, PROT_READ, PROT_WRITE, mmap, mun
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
 from posix.types cimport off_t
 
+import numpy
+
 from tract.errors import BoundsError
 
 cdef extern from "sys/mman.h" nogil:
@@ -183,7 +185,6 @@ cdef class Region:
 
     def view(self, int64_t offset=0, length=None):
         """Zero-copy numpy uint8 array over ``[offset, offset + length)``."""
-        import numpy
         cdef int64_t n = (<int64_t>self._size - offset) if length is None else length
         self._check(offset, n)
         return numpy.frombuffer(self, dtype=numpy.uint8, count=n, offset=offset)

@@ -173,8 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--module", action="append", choices=sorted(SUITES),
                         help="protocol module to mutate (default: all)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--seeds", type=int, default=40,
-                        help="simulator seeds per test for each mutant (default 40)")
+    parser.add_argument("--seeds", type=int, default=200,
+                        help="simulator seeds per test for each mutant (default 200)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--root", type=Path, default=Path.cwd(),
                         help="repository root holding the tests (default: .)")
