@@ -7,8 +7,8 @@ mmap, then fails as a real non-DAX device would.
 
 import errno
 import os
-import stat
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile

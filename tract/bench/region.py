@@ -60,20 +60,7 @@ def _copies(size: int, repeats: int) -> list[Result]:
     region = create_region(path, offset + size + 64, populate=True, flush=flush)
     try:
         os.unlink(path)
-        view = region.view(offset, size)
-        source = numpy.random.default_rng(size).integers(0, 256, size, dtype=numpy.uint8)
-        target = numpy.empty_like(source)
-        times = median_time({
-            "numpy_copyto_in": lambda: numpy.copyto(view, source),
-            "copy_in": lambda: region.copy_in(offset, source, nontemporal=False),
-            "copy_in_nt": lambda: region.copy_in(offset, source, nontemporal=True),
-            "numpy_copyto_in_writeback": lambda: (numpy.copyto(view, source),
-                                                  region.writeback(offset, size),
-                                                  region.fence()),
-            "numpy_copyto_out": lambda: numpy.copyto(target, view),
-            "copy_out": lambda: region.copy_out(offset, target),
-        }, repeats, prepare=lambda: (region.invalidate(offset, size), region.fence()))
-        del view
+        times = _time_copies(region, offset, size, repeats)
     finally:
         region.close()
     rate = {name: size / seconds / 1e9 for name, seconds in times.items()}
@@ -89,6 +76,24 @@ def _copies(size: int, repeats: int) -> list[Result]:
         gbps("copy_in_nt", "numpy_copyto_in_writeback"),
         gbps("copy_out", "numpy_copyto_out"),
     ]
+
+
+def _time_copies(region, offset: int, size: int, repeats: int) -> dict[str, float]:
+    """Seconds per copy of each candidate; the view dies on return, so the
+    region can be closed."""
+    view = region.view(offset, size)
+    source = numpy.random.default_rng(size).integers(0, 256, size, dtype=numpy.uint8)
+    target = numpy.empty_like(source)
+    return median_time({
+        "numpy_copyto_in": lambda: numpy.copyto(view, source),
+        "copy_in": lambda: region.copy_in(offset, source, nontemporal=False),
+        "copy_in_nt": lambda: region.copy_in(offset, source, nontemporal=True),
+        "numpy_copyto_in_writeback": lambda: (numpy.copyto(view, source),
+                                              region.writeback(offset, size),
+                                              region.fence()),
+        "numpy_copyto_out": lambda: numpy.copyto(target, view),
+        "copy_out": lambda: region.copy_out(offset, target),
+    }, repeats, prepare=lambda: (region.invalidate(offset, size), region.fence()))
 
 
 def _flushes(instruction: str, quick: bool) -> list[Result]:
