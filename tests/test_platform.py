@@ -16,12 +16,10 @@ AVAILABLE = [name for name in platform.FLUSH_CHOICES if platform.cpu_features()[
 # Every primitive under one TRACT_FLUSH choice, in a fresh process, the way
 # PMDK re-runs its tests under each override: the choice is made at import.
 OVERRIDE_CHECK = r"""
-import json, os, sys, tract
-from tract.region import create_region
+import json, tract
+from tract.region import scratch_region
 control = tract.default_cache_control()
-path = sys.argv[1]
-region = create_region(path, 1 << 16)
-os.unlink(path)
+region = scratch_region(1 << 16, name="test-override")
 region.store_u64(0, 42)
 region.flush(0, 64)
 region.fence()
@@ -39,18 +37,18 @@ print(json.dumps({"control": control.as_dict(), "round_trip": region.time_round_
 """
 
 
-def _run_with_env(env_value, path):
+def _run_with_env(env_value):
     env = dict(os.environ)
     env.pop("TRACT_FLUSH", None)
     if env_value is not None:
         env["TRACT_FLUSH"] = env_value
-    return subprocess.run([sys.executable, "-c", OVERRIDE_CHECK, path], env=env,
+    return subprocess.run([sys.executable, "-c", OVERRIDE_CHECK], env=env,
                           capture_output=True, text=True, timeout=120)
 
 
 @pytest.mark.parametrize("instruction", AVAILABLE)
-def test_every_flush_override_runs_on_this_cpu(instruction, pool_path):
-    done = _run_with_env(instruction, pool_path)
+def test_every_flush_override_runs_on_this_cpu(instruction):
+    done = _run_with_env(instruction)
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     control = report["control"]
@@ -60,8 +58,8 @@ def test_every_flush_override_runs_on_this_cpu(instruction, pool_path):
     assert report["round_trip"] > 0
 
 
-def test_default_is_clflush_for_metadata(pool_path):
-    done = _run_with_env(None, pool_path)
+def test_default_is_clflush_for_metadata():
+    done = _run_with_env(None)
     assert done.returncode == 0, done.stderr
     control = json.loads(done.stdout)["control"]
     assert (control["chosen"], control["flush"], control["invalidate"], control["source"]) == \
@@ -69,8 +67,8 @@ def test_default_is_clflush_for_metadata(pool_path):
     assert control["coherence"] == "none"
 
 
-def test_bad_override_is_refused_at_import(pool_path):
-    done = _run_with_env("wbinvd", pool_path)
+def test_bad_override_is_refused_at_import():
+    done = _run_with_env("wbinvd")
     assert done.returncode != 0
     assert "TRACT_FLUSH='wbinvd' is not one of" in done.stderr
 

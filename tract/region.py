@@ -19,13 +19,15 @@ import errno
 import grp
 import os
 import stat
+import tempfile
+import uuid
 from pathlib import Path
 
 from tract import platform
 from tract._native._region import Region, map_fd
 from tract.errors import ConfigError, DaxError
 
-__all__ = ["Region", "create_region", "open_region", "is_dax_path"]
+__all__ = ["Region", "create_region", "is_dax_path", "open_region", "scratch_region"]
 
 DEFAULT_DAX_ALIGN = 2 << 20
 
@@ -75,6 +77,17 @@ def create_region(path: str | os.PathLike, size: int, *, mode: int = 0o600,
         raise
     finally:
         os.close(fd)
+
+
+def scratch_region(size: int, *, name: str = "scratch", **options) -> Region:
+    """A private pool of ``size`` bytes in /dev/shm (or the temp directory),
+    unlinked at once: it lives as long as the mapping.  For benchmarks and
+    single-process tests; ``options`` go to `create_region`."""
+    directory = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    path = os.path.join(directory, f"tract-{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    region = create_region(path, size, **options)
+    os.unlink(path)
+    return region
 
 
 def open_region(path: str | os.PathLike, *, size: int | None = None, offset: int = 0,

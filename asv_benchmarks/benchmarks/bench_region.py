@@ -5,23 +5,17 @@ Sizes sit on both sides of a cache line (64 B), a page (4 KiB) and a chunk
 a freshly allocated block or one written by another host is.
 """
 
-import os
-import uuid
-
 import numpy
 
 from tract import platform
-from tract.region import create_region
+from tract.region import scratch_region
 
 SIZES = [63, 64, 65, 4095, 4096, 4097, (2 << 20) - 1, 2 << 20, (2 << 20) + 1]
 OFFSET = 64
 
 
 def _region(size, flush=None):
-    path = f"/dev/shm/tract-asv-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    region = create_region(path, size, flush=flush, populate=True)
-    os.unlink(path)
-    return region
+    return scratch_region(size, name="asv", flush=flush, populate=True)
 
 
 class CopyIn:

@@ -9,12 +9,10 @@ simulator's slowdown, as native/simulated time per operation.
 
 from __future__ import annotations
 
-import os
 import time
-import uuid
 
 from tract.bench import Result
-from tract.region import create_region
+from tract.region import scratch_region
 from tract.testing import mailbox
 from tract.testing.incoherent import SimPool
 
@@ -40,9 +38,7 @@ def run(quick: bool = False) -> list[Result]:
     mailbox.send(single.hosts[0], ring, 0, _payload(0))
     mailbox.receive(single.hosts[0], ring, 0)
     ops_per_message = single.steps
-    path = f"/dev/shm/tract-bench-incoherent-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    region = create_region(path, ring.nbytes)
-    os.unlink(path)
+    region = scratch_region(ring.nbytes, name="bench-incoherent")
     rounds = 200 if quick else 2000
     start = time.perf_counter()
     for seq in range(rounds):

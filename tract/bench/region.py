@@ -17,22 +17,13 @@ freshly allocated or written by another host is (R4 invalidates it).
 
 from __future__ import annotations
 
-import os
-import tempfile
-import uuid
-
 import numpy
 
 from tract import platform
 from tract.bench import Result, median_time
-from tract.region import create_region
+from tract.region import scratch_region
 
 KIB, MIB = 1 << 10, 1 << 20
-
-
-def _scratch_path() -> str:
-    directory = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-    return os.path.join(directory, f"tract-bench-region-{os.getpid()}-{uuid.uuid4().hex[:8]}")
 
 
 def run(quick: bool = False) -> list[Result]:
@@ -51,15 +42,13 @@ def _label(size: int) -> str:
 
 
 def _copies(size: int, repeats: int) -> list[Result]:
-    path = _scratch_path()
     offset = 64  # one line in: the head and tail lines are whole lines
     # The fastest write-back this CPU has, so the copyto + write-back
     # baseline is the best a plain copy can do.
     features = platform.cpu_features()
     flush = "clflushopt" if features["clflushopt"] else None
-    region = create_region(path, offset + size + 64, populate=True, flush=flush)
+    region = scratch_region(offset + size + 64, name="bench-region", populate=True, flush=flush)
     try:
-        os.unlink(path)
         times = _time_copies(region, offset, size, repeats)
     finally:
         region.close()
@@ -97,11 +86,9 @@ def _time_copies(region, offset: int, size: int, repeats: int) -> dict[str, floa
 
 
 def _flushes(instruction: str, quick: bool) -> list[Result]:
-    path = _scratch_path()
     lines = 32768  # 2 MiB
-    region = create_region(path, lines * 64, flush=instruction, populate=True)
+    region = scratch_region(lines * 64, name="bench-region", flush=instruction, populate=True)
     try:
-        os.unlink(path)
         repeats = 3 if quick else 9
         dirty = region.time_flush_lines(0, lines, True, repeats)
         clean = region.time_flush_lines(0, lines, False, repeats)

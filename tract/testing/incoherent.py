@@ -149,7 +149,8 @@ class SimPool:
         self.stale_reads: list[StaleRead] = []
         self.trace: collections.deque[str] = collections.deque(maxlen=24)
         self.steps = 0
-        self._hot: dict[int, None] = {}  # lines touched, in first-touch order
+        self._hot: list[int] = []  # lines touched, in first-touch order
+        self._touched: set[int] = set()
         self.hosts = [SimHost(self, index) for index in range(hosts)]
         # scheduler state
         self._baton = threading.Condition()
@@ -206,8 +207,9 @@ class SimPool:
         """One simulated operation: maybe switch hosts, count, trace."""
         self.steps += 1
         self.trace.append(f"h{host} {what} @{line * LINE}")
-        if line >= 0:
-            self._hot.setdefault(line)
+        if line >= 0 and line not in self._touched:
+            self._touched.add(line)
+            self._hot.append(line)
         if self._aborting:
             raise _Abort()
         if self.steps > self.max_steps:
@@ -231,7 +233,6 @@ class SimPool:
         """Spontaneous cache events at a synchronisation call."""
         if self.chaos <= 0 or self.rng.random() >= self.chaos or not self._hot:
             return
-        hot = list(self._hot)
         for _ in range(self.chaos_events):
             host = self.hosts[self.rng.randrange(len(self.hosts))]
             event = self.rng.random()
@@ -239,7 +240,7 @@ class SimPool:
                 line = self.rng.choice(list(host._queue))
                 host._complete(line, host._queue.pop(line))
             else:
-                line = self.rng.choice(hot)
+                line = self.rng.choice(self._hot)
                 if event < 0.7:
                     host._write_back(line)   # eviction (no-op when clean)
                 else:
