@@ -5,7 +5,8 @@ also derive from the matching builtin (``IndexError``, ``ValueError``,
 ``OSError``) so callers can catch them either way.
 """
 
-__all__ = ["TractError", "BoundsError", "ConfigError", "CorruptionError", "DaxError"]
+__all__ = ["TractError", "BoundsError", "ConfigError", "CorruptionError", "DaxError", "LeaseLost",
+           "LockTimeout"]
 
 
 class TractError(Exception):
@@ -29,3 +30,13 @@ class CorruptionError(TractError):
 
 class DaxError(TractError, OSError):
     """A device-DAX path breaks a rule for mapping it; the message names the rule."""
+
+
+class LockTimeout(TractError, TimeoutError):
+    """A lock was not acquired in time; the message names the lock, the
+    holder node and how long the caller waited."""
+
+
+class LeaseLost(TractError):
+    """The caller's grant on a lock was revoked (its lease lapsed, or another
+    node took the lock over): work done under it must not be published."""

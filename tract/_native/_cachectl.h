@@ -284,4 +284,14 @@ static inline void tract_copy_in_nt(int kind, int insn, char *dst, const char *s
     tract_store_fence();
 }
 
+/* ------------------------------------------------- coherent pools only */
+
+/* Compare-and-swap on a u64; returns the value found.  Atomic only among
+ * hosts that share coherence (one host, or a hardware-coherent device). */
+static inline uint64_t tract_cas_u64(uint64_t *addr, uint64_t expected, uint64_t desired)
+{
+    __atomic_compare_exchange_n(addr, &expected, desired, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+    return expected;
+}
+
 #endif /* TRACT_CACHECTL_H */

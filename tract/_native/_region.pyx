@@ -25,7 +25,7 @@ from posix.types cimport off_t
 
 import numpy
 
-from tract.errors import BoundsError
+from tract.errors import BoundsError, ConfigError
 
 cdef extern from "sys/mman.h" nogil:
     int MAP_POPULATE
@@ -44,6 +44,7 @@ cdef extern from "_cachectl.h" nogil:
     void tract_store_fence() noexcept
     void tract_load_fence() noexcept
     void tract_copy_in_nt(int kind, int insn, char *dst, const char *src, size_t n) noexcept
+    uint64_t tract_cas_u64(uint64_t *addr, uint64_t expected, uint64_t desired) noexcept
 
 LINE = TRACT_LINE
 BUILD_PATH = TRACT_BUILD_PATH.decode()
@@ -243,6 +244,19 @@ cdef class Region:
     def store_u64(self, int64_t offset, value):
         self._check_aligned(offset, 8)
         (<volatile uint64_t *>(self._base + offset))[0] = _fit(value, 0xFFFFFFFFFFFFFFFF, "u64", offset)
+
+    def compare_exchange_u64(self, int64_t offset, expected, desired):
+        """Atomically store ``desired`` at ``offset`` if it holds ``expected``;
+        returns the value found.  Only for pools declared
+        ``coherence="hardware"``: non-coherent hosts share no atomics."""
+        self._check_aligned(offset, 8)
+        if self.cache_control.coherence != "hardware":
+            raise ConfigError(f"compare_exchange_u64 on region {self.path!r}: atomics across "
+                              f"hosts need coherence='hardware', this pool is "
+                              f"{self.cache_control.coherence!r}")
+        cdef uint64_t old = _fit(expected, 0xFFFFFFFFFFFFFFFF, "u64", offset)
+        cdef uint64_t new = _fit(desired, 0xFFFFFFFFFFFFFFFF, "u64", offset)
+        return tract_cas_u64(<uint64_t *>(self._base + offset), old, new)
 
     # -------------------------------------------------------- cache control
 

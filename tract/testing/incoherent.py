@@ -47,12 +47,13 @@ import threading
 
 import numpy
 
-from tract.errors import BoundsError, TractError
+from tract.errors import BoundsError, ConfigError, TractError
 from tract.platform import CacheControl
 
 __all__ = [
     "LINE",
     "LostUpdate",
+    "SimClock",
     "SimHost",
     "SimPool",
     "SimulationFailure",
@@ -152,29 +153,41 @@ class SimPool:
         self._hot: list[int] = []  # lines touched, in first-touch order
         self._touched: set[int] = set()
         self.hosts = [SimHost(self, index) for index in range(hosts)]
+        self.clock = SimClock(self)
+        self.slept = 0.0
         # scheduler state
         self._baton = threading.Condition()
         self._running: int | None = None
         self._alive: list[int] = []
         self._aborting = False
+        self._thread = threading.local()
+        self._wake: dict[int, float] = {}
 
     # ------------------------------------------------------------ running
 
     def run(self, *functions) -> list:
-        """Run ``functions[i](self.hosts[i])`` for each i, interleaved by the
-        seeded scheduler.  Returns their results; raises `SimulationFailure`
-        (naming the seed) if any raised or the run exceeded ``max_steps``."""
-        if len(functions) > len(self.hosts):
-            raise ValueError(f"{len(functions)} functions for {len(self.hosts)} hosts")
-        results: list = [None] * len(functions)
+        """Run each function as one simulated thread, interleaved by the
+        seeded scheduler: a plain callable ``functions[i]`` runs on host i;
+        a pair ``(host_index, callable)`` runs on that host, so several
+        threads can share one host (and its cache, coherently).  Returns
+        their results; raises `SimulationFailure` (naming the seed) if any
+        raised or the run exceeded ``max_steps``."""
+        placed = [item if isinstance(item, tuple) else (index, item)
+                  for index, item in enumerate(functions)]
+        for host, _ in placed:
+            if not 0 <= host < len(self.hosts):
+                raise ValueError(f"host {host} does not exist; the pool has {len(self.hosts)}")
+        results: list = [None] * len(placed)
         errors: list[tuple[int, BaseException]] = []
 
         def body(index: int) -> None:
+            self._thread.index = index
             with self._baton:
                 while self._running != index:
                     self._baton.wait()
+            host, function = placed[index]
             try:
-                results[index] = functions[index](self.hosts[index])
+                results[index] = function(self.hosts[host])
             except _Abort:
                 pass
             except BaseException as error:  # reported with the seed below
@@ -183,28 +196,30 @@ class SimPool:
             finally:
                 with self._baton:
                     self._alive.remove(index)
-                    self._running = self.rng.choice(self._alive) if self._alive else None
+                    self._running = self._pick() if self._alive else None
                     self._baton.notify_all()
 
-        self._alive = list(range(len(functions)))
+        self._alive = list(range(len(placed)))
         self._aborting = False
         threads = [threading.Thread(target=body, args=(i,), daemon=True)
-                   for i in range(len(functions))]
+                   for i in range(len(placed))]
         for thread in threads:
             thread.start()
+        self._wake = {}
         with self._baton:
-            self._running = self.rng.choice(self._alive)
+            self._running = self._pick()
             self._baton.notify_all()
         for thread in threads:
             thread.join()
         if errors:
             index, error = errors[0]
-            raise SimulationFailure(f"host {index} failed: {type(error).__name__}: {error}",
-                                    self.seed) from error
+            raise SimulationFailure(f"thread {index} on host {placed[index][0]} failed: "
+                                    f"{type(error).__name__}: {error}", self.seed) from error
         return results
 
-    def _step(self, host: int, what: str, line: int) -> None:
-        """One simulated operation: maybe switch hosts, count, trace."""
+    def _step(self, host: int, what: str, line: int, force: bool = False) -> None:
+        """One simulated operation: maybe switch threads (always, with
+        ``force``, when another can run), count, trace."""
         self.steps += 1
         self.trace.append(f"h{host} {what} @{line * LINE}")
         if line >= 0 and line not in self._touched:
@@ -216,18 +231,45 @@ class SimPool:
             self._aborting = True
             raise SimulationFailure(f"no progress after {self.max_steps} operations "
                                     f"(livelock); last: {list(self.trace)[-6:]}", self.seed)
-        if self._running is None or len(self._alive) < 2 or self.rng.random() >= self.switch:
+        me = getattr(self._thread, "index", None)
+        if me is None or self._running is None or (len(self._alive) < 2 and not force):
             return
-        target = self.rng.choice(self._alive)
-        if target == host:
+        if force:
+            target = self._pick()
+        elif self.rng.random() < self.switch:
+            target = self._pick()
+        else:
+            return
+        if target == me:
             return
         with self._baton:
             self._running = target
             self._baton.notify_all()
-            while self._running != host:
+            while self._running != me:
                 self._baton.wait()
         if self._aborting:
             raise _Abort()
+
+    def _pick(self) -> int:
+        """A thread to run next: any thread not asleep; when all are asleep,
+        virtual time jumps to the earliest wake-up."""
+        now = self.clock.now()
+        ready = [index for index in self._alive if self._wake.get(index, 0.0) <= now]
+        if not ready:
+            wake = min(self._wake[index] for index in self._alive)
+            self.slept += wake - now
+            ready = [index for index in self._alive if self._wake[index] <= wake]
+        return self.rng.choice(ready)
+
+    def _sleep(self, seconds: float) -> None:
+        """Block the calling simulated thread for ``seconds`` of virtual time."""
+        me = getattr(self._thread, "index", None)
+        if me is None or self._running is None:
+            self.slept += max(seconds, 0.0)
+            return
+        self._wake[me] = self.clock.now() + max(seconds, SimClock.TICK)
+        self._step(-1, "sleep", -1, force=True)
+        self._wake.pop(me, None)
 
     def _chaos(self) -> None:
         """Spontaneous cache events at a synchronisation call."""
@@ -245,6 +287,23 @@ class SimPool:
                     host._write_back(line)   # eviction (no-op when clean)
                 else:
                     host._refetch(line)      # prefetch (writes back a dirty line first)
+
+
+class SimClock:
+    """Virtual time for lease logic under the simulator: a microsecond per
+    simulated operation plus every sleep, so the same seed gives the same
+    expiries.  Has the methods of `tract.lease.Clock`."""
+
+    TICK = 1e-6
+
+    def __init__(self, pool: SimPool):
+        self.pool = pool
+
+    def now(self) -> float:
+        return self.pool.steps * self.TICK + self.pool.slept
+
+    def sleep(self, seconds: float) -> None:
+        self.pool._sleep(seconds)
 
 
 class SimHost:
@@ -346,6 +405,10 @@ class SimHost:
         self._check(offset, length)
         self._write_lines(offset, length, "fill")
         self._cache[offset:offset + length] = byte
+
+    def compare_exchange_u64(self, offset: int, expected: int, desired: int) -> int:
+        raise ConfigError(f"compare_exchange_u64 on {self.path!r}: simulated hosts share no "
+                          f"coherence, so no atomics (atomic locks need coherence='hardware')")
 
     def flush(self, offset: int, length: int, payload: bool = False) -> None:
         self._enqueue(offset, length, "flush")

@@ -1,0 +1,309 @@
+"""The two-tier lock: mutual exclusion, leases, crash recovery, in every mode,
+natively across processes and under the non-coherent simulator.
+
+Tests marked ``sim`` are the suite the mutation harness runs against every
+mutant of tract.lock and tract.lease (TRACT_SIM_SEEDS sets the seeds).
+"""
+
+import multiprocessing
+import os
+import signal
+import time
+
+import pytest
+
+from tract.errors import ConfigError, CorruptionError, LeaseLost, LockTimeout
+from tract.pool import Pool, format_pool
+from tract.testing.incoherent import LINE, SimPool, SimulationFailure
+
+SEEDS = int(os.environ.get("TRACT_SIM_SEEDS", "200"))
+SIM_LEASE = 0.004  # virtual seconds: 4000 simulated operations
+
+
+# ----------------------------------------------------------- simulator runs
+
+def _sim_pool(seed, nodes, mode, chaos=0.2, max_steps=120_000):
+    pool = SimPool(64 * 1024, hosts=nodes, seed=seed, chaos=chaos, max_steps=max_steps)
+    format_pool(pool.hosts[0], max_nodes=nodes, locks=("alloc",), max_locks=2,
+                lock_mode=mode, lease_timeout=SIM_LEASE)
+    for host in pool.hosts:  # the formatted pool is in memory; every host starts fresh
+        host.invalidate(0, pool.size)
+        host.fence()
+    return pool
+
+
+def _counter(handle):
+    return handle.header.heap
+
+
+def run_counter(seed, mode, nodes=3, rounds=3, chaos=0.2, crash=None):
+    """Each node adds ``rounds`` to a non-atomic counter in the pool under the
+    lock; node 0 also runs the lock manager in manager mode; every node runs a
+    heartbeat thread.  ``crash=(node, round)`` makes that node die holding
+    the lock.  Checks that no two holders are ever inside at once, that the
+    counter is exact, and that the survivors finish (within the lease)."""
+    pool = _sim_pool(seed, nodes, mode, chaos)
+    inside: list[int] = []
+    finished = [False] * nodes
+    handles = {}
+
+    def worker(node):
+        def body(host):
+            handle = handles[node] = Pool(host, node, clock=pool.clock, heartbeat=False,
+                                          local_locks=False)
+            lock = handle.lock("alloc")
+            counter = _counter(handle)
+            for round_ in range(rounds):
+                lock.acquire()
+                inside.append(node)
+                if len(inside) > 1:
+                    raise AssertionError(f"nodes {inside} inside the lock at once")
+                host.invalidate(counter, 8)
+                host.fence()
+                value = host.load_u64(counter)
+                host.store_u64(counter, value + 1)
+                lock.check()
+                host.flush(counter, 8)
+                host.fence()
+                if crash == (node, round_):
+                    inside.remove(node)
+                    finished[node] = True
+                    return "crashed"  # dies holding the lock: no release, no more beats
+                inside.remove(node)
+                lock.release()
+            finished[node] = True
+        return body
+
+    def heartbeat(node):
+        def body(host):
+            while node not in handles:
+                pool.clock.sleep(SIM_LEASE / 8)
+            while not finished[node]:
+                handles[node].nodes.beat(node)
+                pool.clock.sleep(SIM_LEASE / 8)
+        return body
+
+    def manager(host):
+        while 0 not in handles:
+            pool.clock.sleep(SIM_LEASE / 8)
+        granting = handles[0].manager()
+        while not all(finished):  # a busy manager still lets others run
+            pool.clock.sleep(SIM_LEASE / 256 if granting.step() else SIM_LEASE / 16)
+
+    threads = [(node, worker(node)) for node in range(nodes)]
+    threads += [(node, heartbeat(node)) for node in range(nodes)]
+    if mode == "manager":
+        threads.append((0, manager))
+    pool.run(*threads)
+    lost = [u for u in pool.lost_updates]
+    expected = nodes * rounds - (0 if crash is None else rounds - 1 - crash[1])
+    value = int.from_bytes(pool.memory[_counter(handles[0]):_counter(handles[0]) + 8].tobytes(),
+                           "little")
+    if lost:
+        raise SimulationFailure(f"lost update at {lost[0].line_offset} by host {lost[0].host}",
+                                seed)
+    if value != expected:
+        raise SimulationFailure(f"counter is {value}, expected {expected}", seed)
+    return pool
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("mode", ["bakery", "manager"])
+def test_counter_is_exact_under_every_seed(mode):
+    for seed in range(SEEDS):
+        run_counter(seed, mode)
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("mode", ["bakery", "manager"])
+def test_counter_is_exact_without_chaos(mode):
+    for seed in range(max(1, SEEDS // 4)):
+        run_counter(seed, mode, chaos=0.0)
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("mode", ["bakery", "manager"])
+def test_survivors_proceed_when_a_holder_dies(mode):
+    for seed in range(max(1, SEEDS // 4)):
+        run_counter(seed, mode, crash=(1, 1))
+
+
+def test_same_seed_same_lock_run():
+    first, second = run_counter(3, "manager"), run_counter(3, "manager")
+    assert first.steps == second.steps and list(first.trace) == list(second.trace)
+
+
+def test_atomic_mode_is_refused_on_a_non_coherent_pool():
+    pool = SimPool(64 * 1024, hosts=1)
+    with pytest.raises(ConfigError, match="'atomic' needs coherence='hardware'"):
+        format_pool(pool.hosts[0], lock_mode="atomic")
+
+
+def test_corrupt_grant_line_is_refused():
+    pool = _sim_pool(0, 2, "manager", chaos=0.0)
+    handle = Pool(pool.hosts[0], 0, clock=pool.clock, heartbeat=False, local_locks=False)
+    line = handle.layout.manager_line
+    pool.memory[line:line + 8] = 0xFF
+    with pytest.raises(CorruptionError, match="manager line at offset"):
+        handle.lock("alloc").acquire(timeout=0.001)
+
+
+# ------------------------------------------------------------- native runs
+
+def _create(path, mode, **options):
+    coherence = "hardware" if mode == "atomic" else "none"
+    Pool.create(path, 1 << 20, lock_mode=mode, coherence=coherence, max_nodes=4,
+                lease_timeout=options.pop("lease_timeout", 0.5), **options)
+
+
+def _count(path, node, rounds, manager):
+    with Pool.open(path, node, manager=manager) as pool:
+        lock = pool.lock("alloc")
+        counter = pool.header.heap
+        region = pool.region
+        for _ in range(rounds):
+            with lock(timeout=30):
+                region.invalidate(counter, 64)
+                region.fence()
+                stamp = region.load_u64(counter + 8)
+                if stamp != 0:
+                    raise AssertionError(f"owner stamp {stamp - 1} found by node {node}")
+                region.store_u64(counter + 8, node + 1)
+                region.flush(counter, 64)
+                region.fence()
+                value = region.load_u64(counter)
+                region.store_u64(counter, value + 1)
+                region.store_u64(counter + 8, 0)
+                lock.check()
+                region.flush(counter, 64)
+                region.fence()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("mode", ["manager", "bakery", "atomic"])
+def test_native_counter_across_processes_and_nodes(pool_path, mode):
+    _create(pool_path, mode)
+    context = multiprocessing.get_context("spawn")
+    nodes = [0, 0, 1, 1]  # 4 processes on 2 node ids
+    workers = [context.Process(target=_count, args=(pool_path, node, 200, mode == "manager"))
+               for node in nodes]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(120)
+        assert worker.exitcode == 0
+    with Pool.open(pool_path, 2) as pool:
+        pool.region.invalidate(pool.header.heap, 8)
+        pool.region.fence()
+        assert pool.region.load_u64(pool.header.heap) == 800
+
+
+def _hold(path, node, manager, ready, tier):
+    pool = Pool.open(path, node, manager=manager)
+    pool.lock("alloc").acquire(timeout=30)
+    ready.set()
+    time.sleep(600)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("mode", ["manager", "bakery"])
+def test_killed_tier2_holder_is_overtaken_within_the_lease(pool_path, mode):
+    _create(pool_path, mode, lease_timeout=0.5)
+    context = multiprocessing.get_context("spawn")
+    ready = context.Event()
+    holder = context.Process(target=_hold, args=(pool_path, 1, False, ready, 2))
+    with Pool.open(pool_path, 0, manager=mode == "manager") as pool:
+        holder.start()
+        assert ready.wait(60)
+        lock = pool.lock("alloc")
+        with pytest.raises(LockTimeout, match=r"lock 'alloc' not acquired after .* held by node 1"):
+            lock.acquire(timeout=0.1)
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.join(30)
+        start = time.monotonic()
+        epoch = lock.acquire(timeout=10)
+        waited = time.monotonic() - start
+        assert waited < 0.5 * 4, waited  # the lease, plus scheduling slack
+        assert lock.holder() == (0, epoch)
+        lock.release()
+        # the killed node rejoins with a new epoch and takes the lock again
+        with Pool.open(pool_path, 1, manager=False) as again:
+            assert again.epoch > 1
+            with again.lock("alloc")(timeout=10):
+                pass
+
+
+@pytest.mark.multiprocess
+def test_killed_tier1_holder_is_repaired_by_its_node(pool_path):
+    _create(pool_path, "bakery", lease_timeout=30)  # far longer than the test: tier 1 repairs
+    context = multiprocessing.get_context("spawn")
+    ready = context.Event()
+    holder = context.Process(target=_hold, args=(pool_path, 1, False, ready, 1))
+    holder.start()
+    assert ready.wait(60)
+    os.kill(holder.pid, signal.SIGKILL)
+    holder.join(30)
+    with Pool.open(pool_path, 1) as pool:  # same node: tier 1 reports the dead holder
+        start = time.monotonic()
+        with pool.lock("alloc")(timeout=5):
+            pass
+        assert time.monotonic() - start < 2
+
+
+def _manage(path, node, ready):
+    pool = Pool.open(path, node, manager=True)
+    while True:
+        pool.region.invalidate(pool.layout.manager_line, LINE)
+        pool.region.fence()
+        if pool.region.load_u64(pool.layout.manager_line) == node + 1:
+            ready.set()
+        time.sleep(0.01)
+
+
+@pytest.mark.multiprocess
+def test_killed_manager_is_replaced_by_a_standby(pool_path):
+    _create(pool_path, "manager", lease_timeout=0.5)
+    context = multiprocessing.get_context("spawn")
+    ready = context.Event()
+    manager = context.Process(target=_manage, args=(pool_path, 3, ready))
+    manager.start()
+    assert ready.wait(60)
+    with Pool.open(pool_path, 0, manager=True) as pool:  # a standby on node 0
+        with pool.lock("alloc")(timeout=10):
+            pass
+        os.kill(manager.pid, signal.SIGKILL)
+        manager.join(30)
+        other = Pool.open(pool_path, 1)
+        try:
+            with other.lock("alloc")(timeout=10):  # forces a grant away from node 0
+                pass
+            with pool.lock("alloc")(timeout=10):
+                pool.region.invalidate(pool.layout.manager_line, LINE)
+                pool.region.fence()
+                assert pool.region.load_u64(pool.layout.manager_line) == 1  # node 0 manages
+        finally:
+            other.close()
+
+
+def test_lease_lost_is_reported_to_a_revoked_holder(pool_path):
+    _create(pool_path, "bakery", lease_timeout=0.2)
+    with Pool.open(pool_path, 0) as first:
+        lock = first.lock("alloc")
+        lock.acquire()
+        first._stop.set()  # its heartbeat stops, as a paused process's would
+        for thread in first._threads:
+            thread.join()
+        with Pool.open(pool_path, 1) as second:
+            with second.lock("alloc")(timeout=5):
+                with pytest.raises(LeaseLost, match="taken over by node 1"):
+                    lock.check()
+        lock.release()
+
+
+def test_unknown_lock_and_bad_node(pool_path):
+    _create(pool_path, "bakery")
+    with pytest.raises(ConfigError, match="beyond this pool's max_nodes"):
+        Pool.open(pool_path, 4)
+    with Pool.open(pool_path, 0) as pool:
+        with pytest.raises(ConfigError, match="no lock named 'nope'"):
+            pool.lock("nope")

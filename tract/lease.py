@@ -1,0 +1,162 @@
+"""Leases: node heartbeats, how other nodes judge them, and bounded waiting.
+
+Rules relied on (DESIGN.md): R2 — each node's line in the node table is
+written only by that node; R3 — a heartbeat is stored, flushed and fenced;
+R4 — an observer invalidates a node's line before reading it; R5 — a node
+state read from the pool is range-checked; R6 — every claim is a lease: a
+node whose heartbeat has not changed for ``lease_timeout`` seconds of the
+*observer's* clock is stale, and loses whatever it held.  No clock is shared
+between hosts: only the observer's own clock measures how long a heartbeat
+has stood still.
+
+Node line (64 bytes): heartbeat u64, epoch u64, state u64, pid u64.
+The epoch counts the node's incarnations: it is bumped when a node joins
+after having been dead or gone, so claims stamped with an older epoch are
+known to be orphaned.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from tract.errors import CorruptionError
+
+__all__ = ["ABSENT", "ALIVE", "LEFT", "Backoff", "Clock", "Liveness", "NodeTable"]
+
+LINE = 64
+ABSENT, ALIVE, LEFT = 0, 1, 2
+_STATES = {ABSENT: "absent", ALIVE: "alive", LEFT: "left"}
+
+
+class Clock:
+    """Monotonic time and sleep.  The simulator supplies a virtual one with
+    the same two methods, so lease logic runs unchanged under it."""
+
+    @staticmethod
+    def now() -> float:
+        return time.monotonic()
+
+    @staticmethod
+    def sleep(seconds: float) -> None:
+        if seconds > 0:
+            time.sleep(seconds)
+        else:
+            os.sched_yield()
+
+
+class Backoff:
+    """Spin briefly, then yield, then sleep with bounded exponential backoff,
+    so a waiter never burns a core for long (these machines have 2)."""
+
+    def __init__(self, clock: Clock, spins: int = 64, yields: int = 64,
+                 first_sleep: float = 2e-6, max_sleep: float = 1e-3):
+        self.clock = clock
+        self.spins, self.yields = spins, yields
+        self.first_sleep, self.max_sleep = first_sleep, max_sleep
+        self.reset()
+
+    def reset(self) -> None:
+        self.rounds = 0
+        self._sleep = self.first_sleep
+
+    def wait(self) -> None:
+        self.rounds += 1
+        if self.rounds <= self.spins:
+            return
+        if self.rounds <= self.spins + self.yields:
+            self.clock.sleep(0)
+            return
+        self.clock.sleep(self._sleep)
+        self._sleep = min(self._sleep * 2, self.max_sleep)
+
+
+class NodeTable:
+    """The per-node lines of a pool, at ``offset`` in ``region``."""
+
+    def __init__(self, region, offset: int, max_nodes: int):
+        self.region = region
+        self.offset = offset
+        self.max_nodes = max_nodes
+
+    def line(self, node: int) -> int:
+        if not 0 <= node < self.max_nodes:
+            raise ValueError(f"node {node} is outside 0..{self.max_nodes - 1}")
+        return self.offset + node * LINE
+
+    def read(self, node: int) -> tuple[int, int, int]:
+        """(heartbeat, epoch, state) of ``node``, fresh from memory (R4)."""
+        line = self.line(node)
+        self.region.invalidate(line, LINE)
+        self.region.fence()
+        return self.decode(node)
+
+    def decode(self, node: int) -> tuple[int, int, int]:
+        """(heartbeat, epoch, state) as this host currently sees them."""
+        line = self.line(node)
+        state = self.region.load_u64(line + 16)
+        if state not in _STATES:
+            raise CorruptionError(f"node table entry {node} at offset {line + 16} has state "
+                                  f"{state}; expected one of {sorted(_STATES)}")
+        return self.region.load_u64(line), self.region.load_u64(line + 8), state
+
+    def join(self, node: int, stale: bool) -> int:
+        """Mark ``node`` alive; bump its epoch when its last incarnation is
+        dead or gone (``stale``) or it never joined.  Returns the epoch."""
+        heartbeat, epoch, state = self.read(node)
+        line = self.line(node)
+        if state != ALIVE or stale:
+            epoch += 1
+        self.region.store_u64(line, (heartbeat + 1) & 0xFFFF_FFFF_FFFF_FFFF)
+        self.region.store_u64(line + 8, epoch)
+        self.region.store_u64(line + 16, ALIVE)
+        self.region.store_u64(line + 24, os.getpid())
+        self.region.flush(line, LINE)
+        self.region.fence()
+        return epoch
+
+    def beat(self, node: int) -> None:
+        """Bump this node's heartbeat (its own line: no other host writes it)."""
+        line = self.line(node)
+        heartbeat = self.region.load_u64(line)
+        self.region.store_u64(line, (heartbeat + 1) & 0xFFFF_FFFF_FFFF_FFFF)
+        self.region.flush(line, LINE)
+        self.region.fence()
+
+    def leave(self, node: int) -> None:
+        line = self.line(node)
+        self.region.store_u64(line + 16, LEFT)
+        self.region.flush(line, LINE)
+        self.region.fence()
+
+
+class Liveness:
+    """One observer's view of every node's lease.
+
+    A node is *live* when it is ALIVE and its heartbeat changed within
+    ``lease_timeout`` of this observer's clock; a node seen for the first
+    time gets a full lease from that moment.
+    """
+
+    def __init__(self, nodes: NodeTable, clock: Clock, lease_timeout: float):
+        self.nodes = nodes
+        self.clock = clock
+        self.lease_timeout = lease_timeout
+        self._seen: dict[int, tuple[int, int, float]] = {}  # node -> (beat, epoch, since)
+
+    def live(self, node: int) -> bool:
+        heartbeat, epoch, state = self.nodes.read(node)
+        if state != ALIVE:
+            self._seen.pop(node, None)
+            return False
+        now = self.clock.now()
+        seen = self._seen.get(node)
+        if seen is None or seen[0] != heartbeat or seen[1] != epoch:
+            self._seen[node] = (heartbeat, epoch, now)
+            return True
+        return now - seen[2] < self.lease_timeout
+
+    def stale_for(self, node: int) -> float:
+        """Seconds this observer has seen ``node``'s heartbeat stand still."""
+        seen = self._seen.get(node)
+        return 0.0 if seen is None else self.clock.now() - seen[2]

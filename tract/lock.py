@@ -1,0 +1,682 @@
+"""Two-tier cross-host lock (TraCT), with a manager-less mode and leases.
+
+Tier 1 is node-local: a robust process-shared mutex per lock in a small
+node-local file, so at most one process per node competes across hosts; a
+holder that dies is reported (EOWNERDEAD) to the next process, which drops
+the dead holder's tier-2 claim before going on.
+
+Tier 2 arbitrates between nodes over pool memory, in one of three modes:
+
+``manager`` (TraCT)
+    Each node has a request line per lock (``req_seq``, ``done_seq``,
+    ``wait_seq``, ``ack``); the manager has a grant line per lock (holder,
+    state, request seq, lock epoch, manager epoch, check word: a line is
+    written field by field and may be evicted between two stores, so readers
+    retry a line whose check word does not match).  A node announces a request by
+    bumping ``req_seq``, flushes and fences, then reads the grant line of the
+    current manager.  Grants are *sticky*: a holder that released keeps the
+    grant until another node asks, so an uncontended re-acquire touches only
+    its own request line and the grant line.  The manager takes a lock back
+    from a holder h that is idle or back in on its sticky grant (never from
+    one that has yet to use a fresh grant: that would livelock): it first
+    marks the grant REVOKING, fences, and only then reads h's request line: h is outside when ``req_seq == done_seq``, or when h
+    waits for a fresh grant (``wait_seq == req_seq`` and the grant was made for
+    an older request).  Both sides write, flush, fence, then read the other's
+    line, so at least one sees the other (Dekker).  Grants rotate round-robin
+    among waiting nodes.  Each candidate manager node writes only its own
+    grant lines; the manager line names the current manager and its epoch and
+    is written only by a node holding the internal election lock (bakery).
+    A standby takes over when the manager's heartbeat is stale; nodes follow
+    the manager line, so a stale manager's writes reach nobody.  A new
+    manager trusts nothing its predecessor wrote: it grants nothing until
+    every node is outside (``req_seq == done_seq``) or has written the new
+    manager epoch into ``ack`` while waiting — a node inside never polls.
+
+``bakery``
+    Lamport's bakery over per-node lines (choosing, number): no manager, no
+    single point of failure.  Waiters skip nodes whose lease lapsed.
+
+``atomic``
+    Compare-and-swap on a lock word; only for pools declared
+    ``coherence="hardware"``.
+
+Every grant carries an epoch, a fencing token: code working under a lock
+calls ``check()`` before it publishes, which raises `LeaseLost` if another
+node has since been granted the lock (R6).
+
+Rules relied on (DESIGN.md): R2 — every line has one writer at a time
+(request and bakery lines: their node; grant lines: their manager node;
+manager and epoch lines: the holder of the lock that guards them);
+R3 — every store others read is flushed and fenced before anything that
+depends on it; R4 — every line another host writes is invalidated and
+fenced before it is read, also in every polling iteration; R5 — holder
+nodes, states and epochs read from the pool are range-checked; R6 — leases
+(`tract.lease`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from tract.errors import ConfigError, CorruptionError, LeaseLost, LockTimeout
+from tract.lease import Backoff, Clock, Liveness, NodeTable
+
+__all__ = ["LOCK_MODES", "Lock", "LockLayout", "LockManager", "LockSpace"]
+
+LINE = 64
+LOCK_MODES = ("manager", "bakery", "atomic")
+MASK64 = 0xFFFF_FFFF_FFFF_FFFF
+
+# grant states
+NONE, GRANTED, REVOKING = 0, 1, 2
+_GRANT_STATES = (NONE, GRANTED, REVOKING)
+
+
+@dataclasses.dataclass(frozen=True)
+class LockLayout:
+    """Where each lock's lines are, from ``offset`` in the pool.
+
+    One manager line, then per lock (plus one internal election lock): an
+    epoch line, an atomic word line, ``max_nodes`` grant lines (one per
+    potential manager), ``max_nodes`` request lines and ``max_nodes`` bakery
+    lines.
+    """
+
+    offset: int
+    max_nodes: int
+    max_locks: int
+
+    @property
+    def election(self) -> int:
+        """Index of the internal lock that guards the manager line."""
+        return self.max_locks
+
+    @property
+    def per_lock(self) -> int:
+        return (2 + 3 * self.max_nodes) * LINE
+
+    @property
+    def nbytes(self) -> int:
+        return LINE + (self.max_locks + 1) * self.per_lock
+
+    @property
+    def manager_line(self) -> int:
+        return self.offset
+
+    def _base(self, lock: int) -> int:
+        return self.offset + LINE + lock * self.per_lock
+
+    def epoch_line(self, lock: int) -> int:
+        return self._base(lock)
+
+    def word_line(self, lock: int) -> int:
+        return self._base(lock) + LINE
+
+    def grant_line(self, lock: int, manager: int) -> int:
+        return self._base(lock) + (2 + manager) * LINE
+
+    def request_line(self, lock: int, node: int) -> int:
+        return self._base(lock) + (2 + self.max_nodes + node) * LINE
+
+    def bakery_line(self, lock: int, node: int) -> int:
+        return self._base(lock) + (2 + 2 * self.max_nodes + node) * LINE
+
+
+class LockSpace:
+    """Everything one node needs to take locks in one pool: the region, the
+    layout, its node id, the node table, a clock and its view of leases."""
+
+    def __init__(self, region, layout: LockLayout, nodes: NodeTable, node: int,
+                 lease_timeout: float, clock: Clock | None = None):
+        if not 0 <= node < layout.max_nodes:
+            raise ConfigError(f"node {node} is outside 0..{layout.max_nodes - 1}")
+        self.region = region
+        self.layout = layout
+        self.nodes = nodes
+        self.node = node
+        self.clock = clock or Clock()
+        self.lease_timeout = lease_timeout
+        self.liveness = Liveness(nodes, self.clock, lease_timeout)
+        self._last_beat = self.clock.now()
+
+    def backoff(self) -> Backoff:
+        return Backoff(self.clock)
+
+    def keep_alive(self) -> None:
+        """Beat when a quarter lease has passed (waiters call this, so a node
+        stuck waiting keeps its place even without a heartbeat thread)."""
+        now = self.clock.now()
+        if now - self._last_beat >= self.lease_timeout / 4:
+            self.nodes.beat(self.node)
+            self._last_beat = now
+
+    def fresh(self, *lines: int) -> None:
+        """Invalidate lines another host writes, then one fence (R4)."""
+        for line in lines:
+            self.region.invalidate(line, LINE)
+        self.region.fence()
+
+    def publish(self, line: int) -> None:
+        """Flush a line this host wrote, then fence (R3)."""
+        self.region.flush(line, LINE)
+        self.region.fence()
+
+    def holder_field(self, value: int, where: str, offset: int) -> int | None:
+        """Decode a stored ``node + 1`` (0 = nobody), range-checked (R5)."""
+        if value == 0:
+            return None
+        if value > self.layout.max_nodes:
+            raise CorruptionError(f"{where} at offset {offset} names node {value - 1}; the "
+                                  f"pool has {self.layout.max_nodes} nodes")
+        return value - 1
+
+    def timeout(self, name: str, holder: int | None, epoch: int, waited: float) -> LockTimeout:
+        who = "nobody (no live grant)" if holder is None else f"node {holder}"
+        return LockTimeout(f"lock {name!r} not acquired after {waited:.3f} s: held by {who}, "
+                           f"epoch {epoch}")
+
+
+# ------------------------------------------------------------------- bakery
+
+class BakeryLock:
+    """Lamport's bakery across nodes; the lock epoch lives in the epoch line,
+    written only by the holder."""
+
+    def __init__(self, space: LockSpace, lock: int, name: str):
+        self.space, self.lock, self.name = space, lock, name
+        self.epoch = 0
+
+    def _ticket(self, node: int) -> tuple[int, int]:
+        line = self.space.layout.bakery_line(self.lock, node)
+        region = self.space.region
+        return region.load_u64(line), region.load_u64(line + 8)
+
+    def acquire(self, timeout: float | None = None) -> int:
+        space, region, me = self.space, self.space.region, self.space.node
+        layout = space.layout
+        mine = layout.bakery_line(self.lock, me)
+        others = [n for n in range(layout.max_nodes) if n != me]
+        start = space.clock.now()
+        region.store_u64(mine, 1)  # choosing
+        space.publish(mine)
+        space.fresh(*(layout.bakery_line(self.lock, n) for n in others))
+        number = 1 + max((self._ticket(n)[1] for n in others), default=0)
+        region.store_u64(mine + 8, number)
+        space.publish(mine)
+        region.store_u64(mine, 0)
+        space.publish(mine)
+        for other in others:
+            line = layout.bakery_line(self.lock, other)
+            backoff = space.backoff()
+            while True:
+                space.fresh(line)
+                choosing, theirs = self._ticket(other)
+                if not choosing and (theirs == 0 or (theirs, other) > (number, me)):
+                    break
+                if not space.liveness.live(other):
+                    break  # a stale node loses its place in line (R6)
+                if timeout is not None and space.clock.now() - start > timeout:
+                    self._withdraw()
+                    holder, epoch = self.holder()
+                    raise space.timeout(self.name, holder, epoch, space.clock.now() - start)
+                space.keep_alive()
+                backoff.wait()
+        epoch_line = layout.epoch_line(self.lock)
+        space.fresh(epoch_line)
+        self.epoch = (region.load_u64(epoch_line) + 1) & MASK64
+        region.store_u64(epoch_line, self.epoch)
+        region.store_u64(epoch_line + 8, me + 1)
+        space.publish(epoch_line)
+        return self.epoch
+
+    def _withdraw(self) -> None:
+        mine = self.space.layout.bakery_line(self.lock, self.space.node)
+        self.space.region.store_u64(mine, 0)
+        self.space.region.store_u64(mine + 8, 0)
+        self.space.publish(mine)
+
+    release = _withdraw
+    repair = _withdraw
+
+    def holder(self) -> tuple[int | None, int]:
+        line = self.space.layout.epoch_line(self.lock)
+        self.space.fresh(line)
+        holder = self.space.holder_field(self.space.region.load_u64(line + 8),
+                                         f"epoch line of lock {self.name!r}", line + 8)
+        return holder, self.space.region.load_u64(line)
+
+    def check(self) -> None:
+        holder, epoch = self.holder()
+        if holder != self.space.node or epoch != self.epoch:
+            raise LeaseLost(f"lock {self.name!r}: node {self.space.node}'s grant (epoch "
+                            f"{self.epoch}) was taken over by node {holder} (epoch {epoch})")
+
+
+# ------------------------------------------------------------------ manager
+
+@dataclasses.dataclass
+class Grant:
+    holder: int | None
+    state: int
+    seq: int
+    epoch: int
+    manager_epoch: int
+
+
+def _read_manager(space: LockSpace) -> tuple[int | None, int]:
+    """(manager node, manager epoch) as this host sees the manager line now."""
+    line = space.layout.manager_line
+    manager = space.holder_field(space.region.load_u64(line), "manager line", line)
+    return manager, space.region.load_u64(line + 8)
+
+
+def _grant_check(fields) -> int:
+    """Check word over a grant line's fields.  A line is written field by
+    field, and the cache may write it back between two stores (eviction), so
+    a reader can meet a mix of old and new fields; the check word, stored
+    last, tells a whole line from a torn one."""
+    check = 0x5152_4143_5447_524E
+    for field in fields:
+        check = ((check ^ field) * 0x100_0000_01B3 + 0x9E37_79B9) & MASK64
+    return check
+
+
+def _read_grant(space: LockSpace, lock: int, manager: int) -> Grant | None:
+    """The grant line, or None while it is torn (its writer is mid-update)."""
+    line = space.layout.grant_line(lock, manager)
+    region = space.region
+    fields = [region.load_u64(line + 8 * index) for index in range(5)]
+    if region.load_u64(line + 40) != _grant_check(fields):
+        return None
+    holder_field, state, seq, epoch, manager_epoch = fields
+    if state not in _GRANT_STATES:
+        raise CorruptionError(f"grant line of lock {lock} by manager {manager} at offset "
+                              f"{line + 8} has state {state}")
+    holder = space.holder_field(holder_field, "grant line", line)
+    return Grant(holder, state, seq, epoch, manager_epoch)
+
+
+class ManagedLock:
+    """The node side of manager mode (see the module docstring)."""
+
+    def __init__(self, space: LockSpace, lock: int, name: str):
+        self.space, self.lock, self.name = space, lock, name
+        self.epoch = 0
+        self._manager: int | None = None
+
+    def _current(self) -> tuple[int | None, int, Grant | None]:
+        """Fresh manager line and that manager's grant line, one fence when
+        the manager is the one seen last time."""
+        space = self.space
+        lines = [space.layout.manager_line]
+        if self._manager is not None:
+            lines.append(space.layout.grant_line(self.lock, self._manager))
+        space.fresh(*lines)
+        manager, manager_epoch = _read_manager(space)
+        if manager is None:
+            return None, manager_epoch, None
+        if manager != self._manager:
+            self._manager = manager
+            space.fresh(space.layout.grant_line(self.lock, manager))
+        return manager, manager_epoch, _read_grant(space, self.lock, manager)
+
+    def acquire(self, timeout: float | None = None) -> int:
+        space, region, me = self.space, self.space.region, self.space.node
+        request = space.layout.request_line(self.lock, me)
+        start = space.clock.now()
+        seq = (region.load_u64(request) + 1) & MASK64
+        region.store_u64(request, seq)
+        space.publish(request)
+        backoff = space.backoff()
+        first = True
+        while True:
+            _, manager_epoch, grant = self._current()
+            if (grant is not None and grant.manager_epoch == manager_epoch
+                    and grant.holder == me and grant.state == GRANTED
+                    and (first or grant.seq == seq)):
+                self.epoch = grant.epoch
+                return self.epoch
+            self._say_waiting(request, seq, grant, manager_epoch, first)
+            first = False
+            if timeout is not None and space.clock.now() - start > timeout:
+                self.release()
+                holder = grant.holder if grant is not None else None
+                raise space.timeout(self.name, holder, grant.epoch if grant else 0,
+                                    space.clock.now() - start)
+            space.keep_alive()
+            backoff.wait()
+
+    def _say_waiting(self, request: int, seq: int, grant: Grant | None, manager_epoch: int,
+                     first: bool) -> None:
+        """Tell the manager this request waits outside: ``wait_seq`` once, and
+        the manager epoch it saw (``ack``, which a new manager waits for)."""
+        region = self.space.region
+        updates = {}
+        if first:
+            updates[16] = seq
+        if (grant is not None and grant.manager_epoch == manager_epoch
+                and region.load_u64(request + 24) != manager_epoch):
+            updates[24] = manager_epoch
+        for field, value in updates.items():
+            region.store_u64(request + field, value)
+        if updates:
+            self.space.publish(request)
+
+    def release(self) -> None:
+        region = self.space.region
+        request = self.space.layout.request_line(self.lock, self.space.node)
+        seq = region.load_u64(request)
+        region.store_u64(request + 8, seq)
+        region.store_u64(request + 16, seq)
+        self.space.publish(request)
+
+    repair = release
+
+    def holder(self) -> tuple[int | None, int]:
+        _, _, grant = self._current()
+        return (None, 0) if grant is None else (grant.holder, grant.epoch)
+
+    def check(self) -> None:
+        space = self.space
+        start, backoff = space.clock.now(), space.backoff()
+        _, manager_epoch, grant = self._current()
+        while grant is None and space.clock.now() - start < space.lease_timeout:
+            backoff.wait()  # torn: its writer is mid-update
+            _, manager_epoch, grant = self._current()
+        if (grant is None or grant.holder != space.node or grant.epoch != self.epoch
+                or grant.state == NONE or grant.manager_epoch != manager_epoch):
+            raise LeaseLost(f"lock {self.name!r}: node {self.space.node}'s grant (epoch "
+                            f"{self.epoch}) is gone: {grant}")
+
+
+class LockManager:
+    """Grants manager-mode locks.  Any node may run one; the one named in the
+    manager line is active, the others stand by and take over when its lease
+    lapses (under the internal election lock)."""
+
+    def __init__(self, space: LockSpace, locks: int):
+        self.space = space
+        self.locks = locks
+        self.manager_epoch = 0
+        self.active = False
+        self._grants: list[Grant] = []
+        self._next = [0] * locks  # round-robin position per lock
+        self._election = BakeryLock(space, space.layout.election, "<manager election>")
+
+    # ------------------------------------------------------------ election
+
+    def _take_over(self) -> bool:
+        space = self.space
+        self._election.acquire(timeout=space.lease_timeout)
+        try:
+            space.fresh(space.layout.manager_line)
+            manager, epoch = _read_manager(space)
+            if manager is not None and manager != space.node and space.liveness.live(manager):
+                return False
+            previous = manager
+            self.manager_epoch = (epoch + 1) & MASK64
+            self._grants = []
+            for lock in range(self.locks):
+                # Trust nothing of the last manager's (it may have died mid-
+                # write): REVOKING from nobody in particular, until every
+                # node is outside or has seen this manager while waiting.
+                last_epoch = 0
+                if previous is not None:
+                    line = space.layout.grant_line(lock, previous)
+                    space.fresh(line)
+                    last_epoch = space.region.load_u64(line + 24)
+                grant = Grant(None, REVOKING, 0, (last_epoch + 1) & MASK64, self.manager_epoch)
+                self._grants.append(grant)
+                self._write(lock)
+            line = space.layout.manager_line
+            space.region.store_u64(line, space.node + 1)
+            space.region.store_u64(line + 8, self.manager_epoch)
+            space.publish(line)
+            self.active = True
+            return True
+        finally:
+            self._election.release()
+
+    def _still_manager(self) -> bool:
+        space = self.space
+        space.fresh(space.layout.manager_line)
+        manager, epoch = _read_manager(space)
+        return manager == space.node and epoch == self.manager_epoch
+
+    # ------------------------------------------------------------- granting
+
+    def _write(self, lock: int) -> None:
+        grant, space = self._grants[lock], self.space
+        line = space.layout.grant_line(lock, space.node)
+        fields = [0 if grant.holder is None else grant.holder + 1, grant.state, grant.seq,
+                  grant.epoch, self.manager_epoch]
+        for index, value in enumerate(fields):
+            space.region.store_u64(line + 8 * index, value)
+        space.region.store_u64(line + 40, _grant_check(fields))
+        space.publish(line)
+
+    def _requests(self, lock: int) -> list[tuple[int, int, int, int]]:
+        """(req_seq, done_seq, wait_seq, ack) of every node, fresh, one fence."""
+        space, region = self.space, self.space.region
+        lines = [space.layout.request_line(lock, n) for n in range(space.layout.max_nodes)]
+        space.fresh(*lines)
+        return [tuple(region.load_u64(line + 8 * field) for field in range(4)) for line in lines]
+
+    def _outside(self, grant: Grant, node: int, request) -> bool:
+        """Whether ``node`` is certainly not inside the lock."""
+        req, done, wait, ack = request
+        if req == done:
+            return True
+        if grant.holder is None:  # after a take-over: it waits if it saw us
+            return ack == self.manager_epoch or not self.space.liveness.live(node)
+        return wait == req and grant.seq != req  # it waits for a newer grant
+
+    def _grant_next(self, lock: int, requests, after: int | None) -> None:
+        grant, space = self._grants[lock], self.space
+        count = space.layout.max_nodes
+        start = self._next[lock] if after is None else after + 1
+        for step in range(count):
+            node = (start + step) % count
+            req, done = requests[node][:2]
+            if req != done and space.liveness.live(node):
+                grant.holder, grant.state, grant.seq = node, GRANTED, req
+                grant.epoch = (grant.epoch + 1) & MASK64
+                self._next[lock] = (node + 1) % count
+                self._write(lock)
+                return
+        if grant.state != NONE:
+            grant.holder, grant.state = None, NONE
+            grant.epoch = (grant.epoch + 1) & MASK64
+            self._write(lock)
+
+    def _step_lock(self, lock: int) -> bool:
+        """Advance one lock; True when some node is waiting for it."""
+        grant = self._grants[lock]
+        requests = self._requests(lock)
+        holder = grant.holder
+        waiting = [n for n, request in enumerate(requests)  # a stale node lost its place
+                   if request[0] != request[1] and n != holder and self.space.liveness.live(n)]
+        if grant.state == NONE:
+            if waiting:
+                self._grant_next(lock, requests, None)
+            return bool(waiting)
+        if holder is None:  # REVOKING after a take-over
+            if all(self._outside(grant, n, r) for n, r in enumerate(requests)):
+                self._grant_next(lock, requests, None)
+            return True
+        live = self.space.liveness.live(holder)
+        if grant.state == GRANTED:
+            req, done = requests[holder][:2]
+            if live and not waiting:
+                return False  # sticky: the holder keeps it
+            if live and req != done and req == grant.seq:
+                return True  # it has yet to use this grant, or uses it now
+            if live:  # idle, or back in on the sticky grant: take it back
+                grant.state = REVOKING
+                self._write(lock)
+                requests = self._requests(lock)  # re-read after the fence (Dekker)
+        if not live or self._outside(grant, holder, requests[holder]):
+            self._grant_next(lock, requests, holder)
+        return True
+
+    def step(self) -> bool:
+        """One round: take over if needed, then advance every lock.  Returns
+        True when something is waiting (the caller should not idle)."""
+        space = self.space
+        space.keep_alive()
+        if self.active and not self._still_manager():
+            self.active = False
+        if not self.active:
+            space.fresh(space.layout.manager_line)
+            manager, _ = _read_manager(space)
+            if manager is None or manager == space.node or not space.liveness.live(manager):
+                if not self._take_over():
+                    return False
+            else:
+                return False
+        return any([self._step_lock(lock) for lock in range(self.locks)])
+
+    def run(self, stop) -> None:
+        """Grant until ``stop.is_set()``; idle with bounded backoff."""
+        backoff = Backoff(self.space.clock, max_sleep=2e-4)
+        while not stop.is_set():
+            if self.step():
+                backoff.reset()
+            else:
+                backoff.wait()
+
+
+# ------------------------------------------------------------------- atomic
+
+class AtomicLock:
+    """Compare-and-swap on a lock word ``epoch << 16 | (holder + 1)``; only on
+    pools declared coherent, where no flush is needed."""
+
+    def __init__(self, space: LockSpace, lock: int, name: str):
+        self.space, self.lock, self.name = space, lock, name
+        self.epoch = 0
+        self._word = 0
+
+    def _decode(self, word: int) -> tuple[int | None, int]:
+        line = self.space.layout.word_line(self.lock)
+        return self.space.holder_field(word & 0xFFFF, f"lock word {self.name!r}", line), word >> 16
+
+    def acquire(self, timeout: float | None = None) -> int:
+        space, me = self.space, self.space.node
+        line = space.layout.word_line(self.lock)
+        start = space.clock.now()
+        backoff = space.backoff()
+        while True:
+            word = space.region.load_u64(line)
+            holder, epoch = self._decode(word)
+            if holder is None or (holder != me and not space.liveness.live(holder)):
+                desired = (((epoch + 1) & 0xFFFF_FFFF_FFFF) << 16) | (me + 1)
+                if space.region.compare_exchange_u64(line, word, desired) == word:
+                    self._word, self.epoch = desired, desired >> 16
+                    return self.epoch
+                continue
+            if timeout is not None and space.clock.now() - start > timeout:
+                raise space.timeout(self.name, holder, epoch, space.clock.now() - start)
+            space.keep_alive()
+            backoff.wait()
+
+    def release(self) -> None:
+        line = self.space.layout.word_line(self.lock)
+        self.space.region.compare_exchange_u64(line, self._word, self._word & ~0xFFFF)
+
+    def repair(self) -> None:
+        line = self.space.layout.word_line(self.lock)
+        word = self.space.region.load_u64(line)
+        if self._decode(word)[0] == self.space.node:
+            self.space.region.compare_exchange_u64(line, word, word & ~0xFFFF)
+
+    def holder(self) -> tuple[int | None, int]:
+        return self._decode(self.space.region.load_u64(self.space.layout.word_line(self.lock)))
+
+    def check(self) -> None:
+        word = self.space.region.load_u64(self.space.layout.word_line(self.lock))
+        if word != self._word:
+            holder, epoch = self._decode(word)
+            raise LeaseLost(f"lock {self.name!r}: node {self.space.node}'s grant (epoch "
+                            f"{self.epoch}) was taken over by node {holder} (epoch {epoch})")
+
+
+_TIER2 = {"manager": ManagedLock, "bakery": BakeryLock, "atomic": AtomicLock}
+
+
+# ----------------------------------------------------------------- two-tier
+
+class Lock:
+    """A named two-tier lock: ``with pool.lock("alloc"): ...``.
+
+    Tier 1 (``local``, a `tract._native._localmutex.LocalMutex`, or None when
+    this process is the node's only one, as under the simulator) then tier 2.
+    ``epoch`` is the fencing token of the current grant; call ``check()``
+    before publishing work done under the lock.
+    """
+
+    def __init__(self, space: LockSpace, mode: str, lock: int, name: str, local=None):
+        if mode not in _TIER2:
+            raise ConfigError(f"lock mode must be one of {LOCK_MODES}, got {mode!r}")
+        if mode == "atomic" and space.region.cache_control.coherence != "hardware":
+            raise ConfigError(f"lock mode 'atomic' needs a pool declared coherence='hardware'; "
+                              f"lock {name!r} is in a pool with coherence="
+                              f"{space.region.cache_control.coherence!r}")
+        self.name = name
+        self.mode = mode
+        self.global_lock = _TIER2[mode](space, lock, name)
+        self.local = local
+        self._timeout: float | None = None
+
+    @property
+    def epoch(self) -> int:
+        return self.global_lock.epoch
+
+    def acquire(self, timeout: float | None = None) -> int:
+        """Take the lock; returns its epoch.  Raises `LockTimeout` after
+        ``timeout`` seconds, naming the holder."""
+        clock = self.global_lock.space.clock
+        start = clock.now()
+        if self.local is not None:
+            try:
+                if self.local.acquire(timeout):
+                    # The previous holder on this node died: drop its claim.
+                    self.global_lock.repair()
+                    self.local.consistent()
+            except TimeoutError:
+                raise LockTimeout(f"lock {self.name!r} not acquired after {timeout} s: "
+                                  f"another process of this node holds it") from None
+        try:
+            left = None if timeout is None else max(0.0, timeout - (clock.now() - start))
+            return self.global_lock.acquire(left)
+        except BaseException:
+            if self.local is not None:
+                self.local.release()
+            raise
+
+    def release(self) -> None:
+        try:
+            self.global_lock.release()
+        finally:
+            if self.local is not None:
+                self.local.release()
+
+    def check(self) -> None:
+        """Raise `LeaseLost` unless this node still holds the lock."""
+        self.global_lock.check()
+
+    def holder(self) -> tuple[int | None, int]:
+        """(holder node or None, epoch) as the pool says now."""
+        return self.global_lock.holder()
+
+    def __call__(self, timeout: float | None) -> Lock:
+        self._timeout = timeout
+        return self
+
+    def __enter__(self) -> Lock:
+        timeout, self._timeout = self._timeout, None
+        self.acquire(timeout)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
