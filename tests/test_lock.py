@@ -307,3 +307,62 @@ def test_unknown_lock_and_bad_node(pool_path):
     with Pool.open(pool_path, 0) as pool:
         with pytest.raises(ConfigError, match="no lock named 'nope'"):
             pool.lock("nope")
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("mode", ["bakery", "manager"])
+def test_each_call_is_visible_to_other_hosts_when_it_returns(mode):
+    """R3 as a contract: once join, beat, acquire, release and leave return,
+    another host sees their effect, with no further step by the writer (and
+    no chaos to write anything back by luck)."""
+    pool = _sim_pool(0, 2, mode, chaos=0.0)
+    first, second = (Pool(host, node, clock=pool.clock, heartbeat=False, local_locks=False)
+                     for node, host in enumerate(pool.hosts))
+    assert second.space.liveness.live(0)  # join
+    before = second.nodes.read(0)[0]
+    first.nodes.join(0, stale=False)  # the same incarnation joins again: no other write
+    assert second.nodes.read(0)[0] == before + 1
+    beat = second.nodes.read(0)[0]
+    first.nodes.beat(0)
+    assert second.nodes.read(0)[0] == beat + 1
+    lock, seen_by_second = first.lock("alloc"), second.lock("alloc")
+    if mode == "bakery":
+        epoch = lock.acquire()
+        assert seen_by_second.holder() == (0, epoch)
+        ticket = first.layout.bakery_line(0, 0)
+        lock.release()
+        second.space.fresh(ticket)
+        assert pool.hosts[1].load_u64(ticket + 8) == 0
+    else:
+        done = []
+
+        def holder(host):
+            lock.acquire()
+            lock.release()
+            done.append(True)
+
+        def manager(host):
+            granting = second.manager()
+            while not done:
+                granting.step()
+                pool.clock.sleep(1e-5)
+
+        pool.run((0, holder), (1, manager))
+        request = first.layout.request_line(0, 0)
+        second.space.fresh(request)
+        req, finished = pool.hosts[1].load_u64(request), pool.hosts[1].load_u64(request + 8)
+        assert req == finished == 1
+    first.leave()
+    assert not second.space.liveness.live(0)
+
+
+@pytest.mark.sim
+def test_a_node_that_left_is_skipped_at_once():
+    pool = _sim_pool(0, 2, "bakery", chaos=0.0)
+    first, second = (Pool(host, node, clock=pool.clock, heartbeat=False, local_locks=False)
+                     for node, host in enumerate(pool.hosts))
+    first.lock("alloc").acquire()
+    first.leave()  # gone for good, its ticket still out
+    start = pool.clock.now()
+    second.lock("alloc").acquire(timeout=SIM_LEASE)
+    assert pool.clock.now() - start < SIM_LEASE / 10

@@ -17,7 +17,8 @@ Cache semantics, as on x86 with clflushopt/clwb (and aarch64 dc + dsb):
   read refetches); ``invalidate`` drops them, writing back a dirty line first
   (as clflush does); ``writeback`` writes back and keeps the line;
 - all three are weakly ordered: each only queues its lines, and the queue
-  completes at the host's next fence, or earlier at random (chaos);
+  completes at the next fence of the same thread (a fence orders its own
+  core's flushes, not another's), or earlier at random (chaos);
 - at every synchronisation call, with probability ``chaos``, random lines of
   random hosts are spontaneously written back (eviction) or refetched
   (prefetch), and random queued operations complete early, in any order;
@@ -278,9 +279,11 @@ class SimPool:
         for _ in range(self.chaos_events):
             host = self.hosts[self.rng.randrange(len(self.hosts))]
             event = self.rng.random()
-            if event < 0.4 and host._queue:
-                line = self.rng.choice(list(host._queue))
-                host._complete(line, host._queue.pop(line))
+            queues = [queue for queue in host._queues.values() if queue]
+            if event < 0.4 and queues:
+                queue = self.rng.choice(queues)
+                line = self.rng.choice(list(queue))
+                host._complete(line, queue.pop(line))
             else:
                 line = self.rng.choice(self._hot)
                 if event < 0.7:
@@ -321,7 +324,9 @@ class SimHost:
         self._snapshot = pool.memory.copy()
         self._fetched = pool.version.copy()
         self._marked = numpy.zeros(len(pool.version), dtype=bool)
-        self._queue: dict[int, str] = {}  # line -> "flush" | "invalidate" | "writeback"
+        # Per simulated thread (a core): line -> "flush" | "invalidate" |
+        # "writeback".  A fence completes only its own thread's queue.
+        self._queues: dict[int | None, dict[int, str]] = {}
 
     # ---------------------------------------------------------- interface
 
@@ -480,17 +485,18 @@ class SimHost:
         self._check(offset, length)
         for line in self._lines(offset, length):
             self.pool._step(self.index, kind, line)
-            queued = self._queue.get(line)
+            queue = self._queues.setdefault(getattr(self.pool._thread, "index", None), {})
+            queued = queue.get(line)
             # flush subsumes both; invalidate + writeback = flush
             if queued is None:
-                self._queue[line] = kind
+                queue[line] = kind
             elif queued != kind:
-                self._queue[line] = "flush"
+                queue[line] = "flush"
         self.pool._chaos()
 
     def _fence(self, what: str) -> None:
         self.pool._step(self.index, what, -1)
-        queue, self._queue = self._queue, {}
+        queue = self._queues.pop(getattr(self.pool._thread, "index", None), {})
         for line, kind in queue.items():
             self._complete(line, kind)
         self.pool._chaos()

@@ -38,6 +38,8 @@ SYNC_CALLS = ("flush", "invalidate", "writeback", "fence", "store_fence", "load_
 # protocol module -> its simulated test files, relative to the repository root
 SUITES: dict[str, list[str]] = {
     "tract.testing.mailbox": ["tests/test_incoherent.py"],
+    "tract.lock": ["tests/test_lock.py"],
+    "tract.lease": ["tests/test_lock.py"],
 }
 
 MUTANT_ENV = "TRACT_MUTANT"
