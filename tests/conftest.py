@@ -3,6 +3,7 @@ import uuid
 
 import pytest
 
+from tract.pool import Pool
 from tract.region import create_region
 
 
@@ -12,7 +13,7 @@ def pool_path():
     path = f"/dev/shm/tract-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     yield path
     if os.path.exists(path):
-        os.unlink(path)
+        Pool.destroy(path)  # with its node-local lock files, when it is a pool
 
 
 @pytest.fixture
@@ -20,3 +21,13 @@ def region(pool_path):
     region = create_region(pool_path, 1 << 20)
     yield region
     region.close()
+
+
+@pytest.fixture(autouse=True, scope="session")
+def no_leaked_shared_memory():
+    """Teardown asserts the suite left no tract file in /dev/shm."""
+    before = set(os.listdir("/dev/shm"))
+    yield
+    leaked = sorted(name for name in set(os.listdir("/dev/shm")) - before
+                    if name.startswith("tract"))
+    assert not leaked, f"tests left {leaked} in /dev/shm"

@@ -83,3 +83,33 @@ def test_bench_incoherent_reports_a_ratio(capsys):
     report = bench.run("incoherent", quick=True)
     (result,) = report["results"]
     assert result["name"] == "simulated_operation" and result["ratio"] > 0
+
+
+@pytest.mark.multiprocess
+def test_manager_command_grants_and_stops_on_sigterm(pool_path):
+    import signal
+
+    from tract.pool import Pool
+
+    assert main(["pool", "create", pool_path, "--size", "1M", "--max-nodes", "4",
+                 "--lease", "0.5"]) == 0
+    manager = subprocess.Popen([sys.executable, "-m", "tract.cli", "manager", pool_path,
+                                "--node", "3"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert "grants the locks" in manager.stdout.readline()
+        with Pool.open(pool_path, 0) as pool:
+            with pool.lock("alloc")(timeout=10):
+                pool.region.invalidate(pool.layout.manager_line, 64)
+                pool.region.fence()
+                assert pool.region.load_u64(pool.layout.manager_line) == 4  # node 3 + 1
+        manager.send_signal(signal.SIGTERM)
+        assert manager.wait(timeout=10) == 0
+        assert "stopped" in manager.stdout.read()
+    finally:
+        if manager.poll() is None:
+            manager.kill()
+
+
+def test_pool_create_refuses_a_bad_size(pool_path):
+    with pytest.raises(SystemExit, match="is not a number of bytes"):
+        main(["pool", "create", pool_path, "--size", "lots"])

@@ -1,4 +1,5 @@
-"""The `tract` command: `tract info`, `tract bench NAME`, `tract demo`."""
+"""The `tract` command: `tract info`, `tract bench NAME`, `tract manager`,
+`tract pool create`, `tract demo`."""
 
 from __future__ import annotations
 
@@ -56,6 +57,44 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _manager(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from tract.pool import Pool
+
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    with Pool.open(args.pool, args.node) as pool:
+        print(f"tract manager: node {args.node} grants the locks of {args.pool} "
+              f"(standby while another manager is live); SIGTERM or ^C stops it", flush=True)
+        pool.manager().run(stop)
+    print("tract manager: stopped", flush=True)
+    return 0
+
+
+def _pool_create(args: argparse.Namespace) -> int:
+    from tract.pool import Pool
+
+    Pool.create(args.path, _size(args.size), max_nodes=args.max_nodes, lock_mode=args.lock_mode,
+                coherence=args.coherence, flush=args.flush, lease_timeout=args.lease)
+    print(f"created pool {args.path}: {args.size}, {args.max_nodes} nodes, "
+          f"{args.lock_mode} locks, coherence {args.coherence}")
+    return 0
+
+
+def _size(text: str) -> int:
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    text = text.strip().lower().removesuffix("ib").removesuffix("b")
+    try:
+        if text and text[-1] in units:
+            return int(float(text[:-1]) * units[text[-1]])
+        return int(text)
+    except ValueError:
+        raise SystemExit(f"tract: size {text!r} is not a number of bytes (e.g. 4G, 512M)") from None
+
+
 def _demo(args: argparse.Namespace) -> int:
     from tract import demo
 
@@ -76,6 +115,23 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     bench.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
     bench.set_defaults(handler=_bench)
+
+    manager = commands.add_parser("manager", help="run a pool's lock manager in the foreground")
+    manager.add_argument("pool", help="pool file or /dev/daxX.Y")
+    manager.add_argument("--node", type=int, required=True, help="this host's node id")
+    manager.set_defaults(handler=_manager)
+
+    pool = commands.add_parser("pool", help="create pools")
+    pool_commands = pool.add_subparsers(dest="pool_command", required=True)
+    create = pool_commands.add_parser("create", help="create a pool file")
+    create.add_argument("path")
+    create.add_argument("--size", required=True, help="bytes, or with K/M/G/T")
+    create.add_argument("--max-nodes", type=int, default=16)
+    create.add_argument("--lock-mode", choices=("manager", "bakery", "atomic"), default="manager")
+    create.add_argument("--coherence", choices=("none", "hardware"), default="none")
+    create.add_argument("--flush", choices=("clflush", "clflushopt", "clwb"), default=None)
+    create.add_argument("--lease", type=float, default=2.0, help="lease timeout, seconds")
+    create.set_defaults(handler=_pool_create)
 
     demo = commands.add_parser("demo", help="show a pool shared by two processes")
     demo.add_argument("--quick", action="store_true", help="a smaller run")

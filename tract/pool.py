@@ -42,6 +42,7 @@ HEADER_BYTES = 4096
 NAME_BYTES = 32
 DEFAULT_LOCKS = ("alloc", "objects", "index")
 _NAME = re.compile(r"[a-z0-9][a-z0-9_.-]{0,30}$")
+_LOCAL_DIR = "/dev/shm"  # node-local: tier-1 mutexes never live in the pool
 
 # header field offsets
 _F = dict(magic=0, version=8, uuid=16, size=32, max_nodes=40, max_locks=48, lock_mode=56,
@@ -220,6 +221,23 @@ class Pool:
                 region.close()
             raise
 
+    @staticmethod
+    def destroy(path: str) -> None:
+        """Remove a pool file and the node-local lock files of every node."""
+        try:
+            region = open_region(path)
+            try:
+                pool_uuid = Header(region).uuid
+            finally:
+                region.close()
+        except (OSError, CorruptionError, ConfigError):
+            pool_uuid = None  # not a readable pool: remove the file alone
+        if pool_uuid is not None:
+            for name in os.listdir(_LOCAL_DIR):
+                if name.startswith(f"tract-{pool_uuid.hex}-node") and name.endswith(".locks"):
+                    os.unlink(os.path.join(_LOCAL_DIR, name))
+        os.unlink(path)
+
     def _space(self) -> LockSpace:
         return LockSpace(self.region, self.layout, self.nodes, self.node,
                          self.header.lease_timeout, self.clock)
@@ -310,7 +328,7 @@ class _NodeLocal:
     node under an flock so concurrent first openers agree."""
 
     def __init__(self, pool_uuid, node: int, max_locks: int):
-        path = f"/dev/shm/tract-{pool_uuid.hex}-node{node}.locks"
+        path = os.path.join(_LOCAL_DIR, f"tract-{pool_uuid.hex}-node{node}.locks")
         size = _round_up((max_locks + 1) * LINE, 4096)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
