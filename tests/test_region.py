@@ -273,3 +273,14 @@ def test_fill_checks_its_byte(region):
 def test_public_api_is_explicit():
     for name in tract.__all__:
         assert hasattr(tract, name), name
+
+
+def test_load_u64s_reads_a_line_of_fields(region):
+    for index in range(8):
+        region.store_u64(64 + 8 * index, index * 3)
+    assert region.load_u64s(64, 8) == tuple(index * 3 for index in range(8))
+    assert region.load_u64s(64, 0) == ()
+    with pytest.raises(BoundsError, match="not aligned to 8"):
+        region.load_u64s(4, 1)
+    with pytest.raises(BoundsError, match="outside region"):
+        region.load_u64s(region.size - 8, 2)

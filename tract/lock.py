@@ -57,6 +57,8 @@ nodes, states and epochs read from the pool are range-checked; R6 — leases
 from __future__ import annotations
 
 import dataclasses
+import functools
+import typing
 
 from tract.errors import ConfigError, CorruptionError, LeaseLost, LockTimeout
 from tract.lease import Backoff, Clock, Liveness, NodeTable
@@ -91,7 +93,7 @@ class LockLayout:
         """Index of the internal lock that guards the manager line."""
         return self.max_locks
 
-    @property
+    @functools.cached_property
     def per_lock(self) -> int:
         return (2 + 3 * self.max_nodes) * LINE
 
@@ -187,9 +189,7 @@ class BakeryLock:
         self.epoch = 0
 
     def _ticket(self, node: int) -> tuple[int, int]:
-        line = self.space.layout.bakery_line(self.lock, node)
-        region = self.space.region
-        return region.load_u64(line), region.load_u64(line + 8)
+        return self.space.region.load_u64s(self.space.layout.bakery_line(self.lock, node), 2)
 
     def acquire(self, timeout: float | None = None) -> int:
         space, region, me = self.space, self.space.region, self.space.node
@@ -254,8 +254,7 @@ class BakeryLock:
 
 # ------------------------------------------------------------------ manager
 
-@dataclasses.dataclass
-class Grant:
+class Grant(typing.NamedTuple):
     holder: int | None
     state: int
     seq: int
@@ -266,8 +265,8 @@ class Grant:
 def _read_manager(space: LockSpace) -> tuple[int | None, int]:
     """(manager node, manager epoch) as this host sees the manager line now."""
     line = space.layout.manager_line
-    manager = space.holder_field(space.region.load_u64(line), "manager line", line)
-    return manager, space.region.load_u64(line + 8)
+    holder_field, epoch = space.region.load_u64s(line, 2)
+    return space.holder_field(holder_field, "manager line", line), epoch
 
 
 def _grant_check(fields) -> int:
@@ -281,19 +280,17 @@ def _grant_check(fields) -> int:
     return check
 
 
-def _read_grant(space: LockSpace, lock: int, manager: int) -> Grant | None:
-    """The grant line, or None while it is torn (its writer is mid-update)."""
-    line = space.layout.grant_line(lock, manager)
-    region = space.region
-    fields = [region.load_u64(line + 8 * index) for index in range(5)]
-    if region.load_u64(line + 40) != _grant_check(fields):
+def _read_grant(space: LockSpace, line: int) -> Grant | None:
+    """The grant line at ``line``, or None while it is torn (its writer is
+    mid-update)."""
+    *fields, check = space.region.load_u64s(line, 6)
+    if check != _grant_check(fields):
         return None
     holder_field, state, seq, epoch, manager_epoch = fields
     if state not in _GRANT_STATES:
-        raise CorruptionError(f"grant line of lock {lock} by manager {manager} at offset "
-                              f"{line + 8} has state {state}")
-    holder = space.holder_field(holder_field, "grant line", line)
-    return Grant(holder, state, seq, epoch, manager_epoch)
+        raise CorruptionError(f"grant line at offset {line} has state {state}")
+    return Grant(space.holder_field(holder_field, "grant line", line), state, seq, epoch,
+                 manager_epoch)
 
 
 class ManagedLock:
@@ -302,27 +299,28 @@ class ManagedLock:
     def __init__(self, space: LockSpace, lock: int, name: str):
         self.space, self.lock, self.name = space, lock, name
         self.epoch = 0
-        self._manager: int | None = None
+        self._request = space.layout.request_line(lock, space.node)
+        self._grant_lines = [space.layout.grant_line(lock, manager)
+                             for manager in range(space.layout.max_nodes)]
+        self._fresh_lines = [space.layout.manager_line]  # + the last manager's grant line
 
     def _current(self) -> tuple[int | None, int, Grant | None]:
         """Fresh manager line and that manager's grant line, one fence when
         the manager is the one seen last time."""
         space = self.space
-        lines = [space.layout.manager_line]
-        if self._manager is not None:
-            lines.append(space.layout.grant_line(self.lock, self._manager))
-        space.fresh(*lines)
+        space.fresh(*self._fresh_lines)
         manager, manager_epoch = _read_manager(space)
         if manager is None:
             return None, manager_epoch, None
-        if manager != self._manager:
-            self._manager = manager
-            space.fresh(space.layout.grant_line(self.lock, manager))
-        return manager, manager_epoch, _read_grant(space, self.lock, manager)
+        line = self._grant_lines[manager]
+        if self._fresh_lines[1:] != [line]:
+            self._fresh_lines = [space.layout.manager_line, line]
+            space.fresh(line)
+        return manager, manager_epoch, _read_grant(space, line)
 
     def acquire(self, timeout: float | None = None) -> int:
         space, region, me = self.space, self.space.region, self.space.node
-        request = space.layout.request_line(self.lock, me)
+        request = self._request
         start = space.clock.now()
         seq = (region.load_u64(request) + 1) & MASK64
         region.store_u64(request, seq)
@@ -364,7 +362,7 @@ class ManagedLock:
 
     def release(self) -> None:
         region = self.space.region
-        request = self.space.layout.request_line(self.lock, self.space.node)
+        request = self._request
         seq = region.load_u64(request)
         region.store_u64(request + 8, seq)
         region.store_u64(request + 16, seq)
@@ -389,17 +387,32 @@ class ManagedLock:
                             f"{self.epoch}) is gone: {grant}")
 
 
+@dataclasses.dataclass
+class _Granting:
+    """The manager's own copy of one of its grant lines."""
+
+    holder: int | None
+    state: int
+    seq: int
+    epoch: int
+
+
 class LockManager:
     """Grants manager-mode locks.  Any node may run one; the one named in the
     manager line is active, the others stand by and take over when its lease
     lapses (under the internal election lock)."""
 
-    def __init__(self, space: LockSpace, locks: int):
+    def __init__(self, space: LockSpace, locks: int, local=None):
+        """``local``: the node-local mutex that lets one process per node
+        manage (the grant lines are the node's); None when this process is
+        the node's only one."""
         self.space = space
+        self.local = local
+        self._local_held = local is None
         self.locks = locks
         self.manager_epoch = 0
         self.active = False
-        self._grants: list[Grant] = []
+        self._grants: list[_Granting] = []
         self._next = [0] * locks  # round-robin position per lock
         self._election = BakeryLock(space, space.layout.election, "<manager election>")
 
@@ -425,7 +438,7 @@ class LockManager:
                     line = space.layout.grant_line(lock, previous)
                     space.fresh(line)
                     last_epoch = space.region.load_u64(line + 24)
-                grant = Grant(None, REVOKING, 0, (last_epoch + 1) & MASK64, self.manager_epoch)
+                grant = _Granting(None, REVOKING, 0, (last_epoch + 1) & MASK64)
                 self._grants.append(grant)
                 self._write(lock)
             line = space.layout.manager_line
@@ -460,9 +473,9 @@ class LockManager:
         space, region = self.space, self.space.region
         lines = [space.layout.request_line(lock, n) for n in range(space.layout.max_nodes)]
         space.fresh(*lines)
-        return [tuple(region.load_u64(line + 8 * field) for field in range(4)) for line in lines]
+        return [region.load_u64s(line, 4) for line in lines]
 
-    def _outside(self, grant: Grant, node: int, request) -> bool:
+    def _outside(self, grant: _Granting, node: int, request) -> bool:
         """Whether ``node`` is certainly not inside the lock."""
         req, done, wait, ack = request
         if req == done:
@@ -527,6 +540,13 @@ class LockManager:
         if self.active and not self._still_manager():
             self.active = False
         if not self.active:
+            if not self._local_held:
+                taken = self.local.try_acquire()
+                if taken is None:
+                    return False  # another process of this node manages
+                if taken:  # that process died: its grants are re-taken below
+                    self.local.consistent()
+                self._local_held = True
             space.fresh(space.layout.manager_line)
             manager, _ = _read_manager(space)
             if manager is None or manager == space.node or not space.liveness.live(manager):
@@ -539,11 +559,16 @@ class LockManager:
     def run(self, stop) -> None:
         """Grant until ``stop.is_set()``; idle with bounded backoff."""
         backoff = Backoff(self.space.clock, max_sleep=2e-4)
-        while not stop.is_set():
-            if self.step():
-                backoff.reset()
-            else:
-                backoff.wait()
+        try:
+            while not stop.is_set():
+                if self.step():
+                    backoff.reset()
+                else:
+                    backoff.wait()
+        finally:
+            if self.local is not None and self._local_held:
+                self._local_held = self.active = False
+                self.local.release()
 
 
 # ------------------------------------------------------------------- atomic

@@ -274,7 +274,8 @@ class Pool:
 
     def manager(self) -> LockManager:
         """A lock manager for this node (run it with ``.run(stop_event)``)."""
-        return LockManager(self._space(), self.header.max_locks)
+        local = self._local.mutex(self.header.max_locks) if self._local is not None else None
+        return LockManager(self._space(), self.header.max_locks, local)
 
     def lock(self, name: str) -> Lock:
         """The named lock; use as ``with pool.lock(name):`` or
@@ -338,7 +339,7 @@ class _NodeLocal:
                 os.ftruncate(fd, size)
             self.region = open_region(path, coherence="hardware")
             if fresh:
-                for index in range(max_locks):
+                for index in range(max_locks + 1):  # one per lock, one for the manager
                     LocalMutex(self.region, index * LINE).initialize()
         finally:
             os.close(fd)  # releases the flock

@@ -229,6 +229,16 @@ cdef class Region:
         self._check_aligned(offset, 8)
         return (<volatile uint64_t *>(self._base + offset))[0]
 
+    def load_u64s(self, int64_t offset, int count):
+        """``count`` consecutive u64 at an 8-aligned offset, as a tuple (one
+        call for a line's fields; each load is single-copy atomic)."""
+        if count < 0:
+            raise ValueError(f"count {count} is negative")
+        self._check_aligned(offset, 8)
+        self._check(offset, count * 8)
+        cdef volatile uint64_t *words = <volatile uint64_t *>(self._base + offset)
+        return tuple([words[i] for i in range(count)])
+
     def store_u8(self, int64_t offset, value):
         self._check(offset, 1)
         (<volatile uint8_t *>(self._base + offset))[0] = _fit(value, 0xFF, "u8", offset)

@@ -369,6 +369,14 @@ class SimHost:
     def load_u64(self, offset: int) -> int:
         return self._load(offset, 8)
 
+    def load_u64s(self, offset: int, count: int) -> tuple[int, ...]:
+        if count < 0:
+            raise ValueError(f"count {count} is negative")
+        self._check(offset, count * 8, 8)
+        self._read_lines(offset, count * 8, "load_u64s")
+        return tuple(int(word) for word in
+                     self._cache[offset:offset + count * 8].view("<u8"))
+
     def store_u8(self, offset: int, value: int) -> None:
         self._store(offset, 1, value)
 
