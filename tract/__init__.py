@@ -5,9 +5,19 @@ The pool is one shared mapping that every host maps at its own address; see
 choices made on this machine.
 """
 
-from tract.errors import BoundsError, ConfigError, CorruptionError, DaxError, TractError
+from tract.errors import (
+                          BoundsError,
+                          ConfigError,
+                          CorruptionError,
+                          DaxError,
+                          LeaseLost,
+                          LockTimeout,
+                          TractError,
+)
+from tract.lock import Lock
 from tract.platform import CacheControl, cache_control, default_cache_control, info
-from tract.region import Region, create_region, open_region
+from tract.pool import Pool
+from tract.region import Region, create_region, open_region, scratch_region
 
 __all__ = [
     "BoundsError",
@@ -15,6 +25,10 @@ __all__ = [
     "ConfigError",
     "CorruptionError",
     "DaxError",
+    "LeaseLost",
+    "Lock",
+    "LockTimeout",
+    "Pool",
     "Region",
     "TractError",
     "cache_control",
@@ -22,6 +36,7 @@ __all__ = [
     "default_cache_control",
     "info",
     "open_region",
+    "scratch_region",
 ]
 
 __version__ = "0.1.0"

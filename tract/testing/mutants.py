@@ -5,8 +5,10 @@ A *site* is one call of ``flush``, ``invalidate``, ``writeback``, ``fence``,
 ``store_fence`` or ``load_fence`` in the module's source.  A mutant is the
 module with one site removed (the statement becomes ``pass``).  Each mutant
 runs the module's simulated tests (pytest marker ``sim``) in a fresh
-process; a mutant whose tests still pass *survives*, which means that call is
-either unneeded or untested — either way a finding.
+interpreter that imports the package from a copy holding the mutated
+module, so no module can keep a reference to the original.  A mutant whose
+tests still pass *survives*, which means that call is either unneeded or
+untested — either way a finding.
 
     python -m tract.testing.mutants [--json] [--module M] [--seeds N] [--jobs J]
 
@@ -26,8 +28,10 @@ import dataclasses
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import types
 from pathlib import Path
 
@@ -42,7 +46,6 @@ SUITES: dict[str, list[str]] = {
     "tract.lease": ["tests/test_lock.py"],
 }
 
-MUTANT_ENV = "TRACT_MUTANT"
 SEEDS_ENV = "TRACT_SIM_SEEDS"
 
 
@@ -130,21 +133,35 @@ def mutate(site: Site) -> types.ModuleType:
     return module
 
 
-def _install(site: Site) -> None:
-    module = mutate(site)
-    sys.modules[site.module] = module
-    parent, _, child = site.module.rpartition(".")
-    if parent in sys.modules:
-        setattr(sys.modules[parent], child, module)
+def _overlay(site: Site, directory: Path) -> Path:
+    """A copy of the top-level package under ``directory`` with ``site``'s
+    module replaced by its mutant, so a fresh interpreter imports the mutant
+    before anything can hold a reference to the original."""
+    top = site.module.split(".")[0]
+    path, source = _source(site.module)
+    locations = importlib.util.find_spec(top).submodule_search_locations
+    if locations:  # a package: copy it whole, extension modules included
+        package = Path(locations[0])
+        shutil.copytree(package, directory / top,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.c", "*.html"))
+        target = directory / top / Path(path).relative_to(package)
+    else:
+        target = directory / Path(path).name
+    tree = ast.parse(source)
+    call, _ = _calls(tree)[site.index]
+    target.write_text(ast.unparse(ast.fix_missing_locations(_Remove(call).visit(tree))))
+    return target
 
 
-def pytest_configure(config) -> None:
-    """pytest plugin hook (``-p tract.testing.mutants``): install the mutant
-    named by TRACT_MUTANT=module:index before the tests import the module."""
-    spec = os.environ.get(MUTANT_ENV)
-    if spec:
-        module, _, index = spec.rpartition(":")
-        _install(sites(module)[int(index)])
+_RUNNER = """
+import importlib, sys
+sys.path.insert(0, {overlay!r})
+module = importlib.import_module({module!r})
+if not module.__file__.startswith({overlay!r}):
+    raise SystemExit("mutant not in effect: " + module.__file__)
+import pytest
+raise SystemExit(pytest.main({arguments!r}))
+"""
 
 
 def run_mutant(site: Site | None, module: str, root: Path, seeds: int,
@@ -152,21 +169,24 @@ def run_mutant(site: Site | None, module: str, root: Path, seeds: int,
     """Run ``module``'s simulated tests against one mutant (None: the
     unmutated module).  Returns "passed", "failed" or "error: ..."."""
     env = dict(os.environ, **{SEEDS_ENV: str(seeds)})
-    env.pop(MUTANT_ENV, None)
-    if site is not None:
-        env[MUTANT_ENV] = f"{module}:{site.index}"
-    command = [sys.executable, "-m", "pytest", "-q", "-x", "-m", "sim", "-p", "no:cacheprovider",
-               "-p", "tract.testing.mutants", *SUITES[module]]
-    try:
-        done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True,
-                              timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return "failed"  # a mutant that hangs its tests is caught by them
+    arguments = ["-q", "-x", "-m", "sim", "-p", "no:cacheprovider", *SUITES[module]]
+    with tempfile.TemporaryDirectory(prefix="tract-mutant-") as scratch:
+        if site is None:
+            command = [sys.executable, "-m", "pytest", *arguments]
+        else:
+            _overlay(site, Path(scratch))
+            command = [sys.executable, "-c", _RUNNER.format(
+                overlay=scratch, module=module, arguments=arguments)]
+        try:
+            done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True,
+                                  timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return "failed"  # a mutant that hangs its tests is caught by them
     if done.returncode == 0:
         return "passed"
     if done.returncode == 1:
         return "failed"
-    return f"error: pytest exit {done.returncode}: {(done.stdout + done.stderr)[-400:]}"
+    return f"error: exit {done.returncode}: {(done.stdout + done.stderr)[-400:]}"
 
 
 def main(argv: list[str] | None = None) -> int:
