@@ -195,21 +195,20 @@ class BakeryLock:
         space, region, me = self.space, self.space.region, self.space.node
         layout = space.layout
         mine = layout.bakery_line(self.lock, me)
-        others = [n for n in range(layout.max_nodes) if n != me]
+        others = {n: layout.bakery_line(self.lock, n) for n in range(layout.max_nodes) if n != me}
         start = space.clock.now()
         region.store_u64(mine, 1)  # choosing
         space.publish(mine)
-        space.fresh(*(layout.bakery_line(self.lock, n) for n in others))
+        space.fresh(*others.values())
         number = 1 + max((self._ticket(n)[1] for n in others), default=0)
         region.store_u64(mine + 8, number)
         space.publish(mine)
         region.store_u64(mine, 0)
         space.publish(mine)
-        for other in others:
-            line = layout.bakery_line(self.lock, other)
+        space.fresh(*others.values())  # every ticket read after our doorway, one fence
+        for other, line in others.items():
             backoff = space.backoff()
             while True:
-                space.fresh(line)
                 choosing, theirs = self._ticket(other)
                 if not choosing and (theirs == 0 or (theirs, other) > (number, me)):
                     break
@@ -221,6 +220,7 @@ class BakeryLock:
                     raise space.timeout(self.name, holder, epoch, space.clock.now() - start)
                 space.keep_alive()
                 backoff.wait()
+                space.fresh(line)
         epoch_line = layout.epoch_line(self.lock)
         space.fresh(epoch_line)
         self.epoch = (region.load_u64(epoch_line) + 1) & MASK64
