@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tract-installed
 SOURCES := pyproject.toml setup.py $(wildcard tract/_native/*.pyx tract/_native/*.h)
 
-.PHONY: demo test test-fast bench asv model-deps clean
+.PHONY: demo test test-fast bench asv clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -22,23 +22,15 @@ $(STAMP): $(VENV)/bin/python $(SOURCES)
 demo: $(STAMP)
 	$(VENV)/bin/tract demo
 
-# Every tier: unit, slow, multi-process and simulated tests, the Promela
-# model of the lock protocols (spin), the mutation harness over every
-# protocol module, then the asv suite once in quick mode.
-test: $(STAMP) model-deps
+# Every tier: unit, slow, multi-process and simulated tests, the mutation
+# harness over every protocol module, then the asv suite once in quick mode.
+test: $(STAMP)
 	$(PY) -m pytest -q -ra
 	$(PY) -m tract.testing.mutants
 	$(MAKE) asv
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
-
-# spin checks the lock model; Debian packages it.  Without root or a
-# reachable archive the model test skips, except under CI (CI=true) where
-# it fails.
-model-deps:
-	@command -v spin >/dev/null || { apt-get update -qq && apt-get install -y -qq spin >/dev/null; } \
-		|| echo "spin could not be installed: the lock model test will skip (or fail under CI)"
 
 asv: $(STAMP)
 	$(VENV)/bin/asv machine --yes --machine ci >/dev/null

@@ -6,7 +6,8 @@
  *   NH  number of hosts (every process that touches memory is a host)
  *   NL  number of cache lines
  *   LW  words per line (lines shorter than LW are padded; padding stays 0)
- * and, for -DFULL_ENV, the list ENV_OPTIONS of ENV(h,l) pairs.
+ * and, for -DFULL_ENV, the list ENV_OPTIONS of ENV(h,l) pairs; optionally
+ * WORD, the type of a word (default byte).
  *
  * State
  *   mem[x]              the pool's memory, word x (word x lies in line x/LW)
@@ -79,76 +80,79 @@
 #define CI(h,x) ((h)*NW+(x))
 #define LI(h,l) ((h)*NL+(l))
 
-byte mem[NW];
-byte cache[NH*NW];
+#ifndef WORD
+#define WORD byte    /* a model may widen the words (-DWORD or #define) */
+#endif
+WORD mem[NW];
+WORD cache[NH*NW];
 bit valid[NH*NL];
 bit dirty[NH*NL];
 
 hidden byte _w;   /* loop counter inside d_steps; not part of the state */
 
 /* bodies: only ever used inside a d_step */
-inline _fetch(h, l) {
-  _w = (l)*LW;
+inline _fetch(_h_, _l_) {
+  _w = (_l_)*LW;
   do
-  :: _w < ((l)+1)*LW -> cache[CI(h,_w)] = mem[_w]; _w++
+  :: _w < ((_l_)+1)*LW -> cache[CI(_h_,_w)] = mem[_w]; _w++
   :: else -> break
   od;
-  valid[LI(h,l)] = 1;
+  valid[LI(_h_,_l_)] = 1;
   _w = 0
 }
 
-inline _writeback(h, l) {
-  _w = (l)*LW;
+inline _writeback(_h_, _l_) {
+  _w = (_l_)*LW;
   do
-  :: _w < ((l)+1)*LW -> mem[_w] = cache[CI(h,_w)]; _w++
+  :: _w < ((_l_)+1)*LW -> mem[_w] = cache[CI(_h_,_w)]; _w++
   :: else -> break
   od;
-  dirty[LI(h,l)] = 0;
+  dirty[LI(_h_,_l_)] = 0;
   _w = 0
 }
 
-inline _drop(h, l) {
-  _w = (l)*LW;
+inline _drop(_h_, _l_) {
+  _w = (_l_)*LW;
   do
-  :: _w < ((l)+1)*LW -> cache[CI(h,_w)] = 0; _w++
+  :: _w < ((_l_)+1)*LW -> cache[CI(_h_,_w)] = 0; _w++
   :: else -> break
   od;
-  valid[LI(h,l)] = 0;
-  dirty[LI(h,l)] = 0;
+  valid[LI(_h_,_l_)] = 0;
+  dirty[LI(_h_,_l_)] = 0;
   _w = 0
 }
 
-inline _load(h, x, r) {
+inline _load(_h_, _x_, _r_) {
   if
-  :: !valid[LI(h,LINEOF(x))] -> _fetch(h, LINEOF(x))
+  :: !valid[LI(_h_,LINEOF(_x_))] -> _fetch(_h_, LINEOF(_x_))
   :: else
   fi;
-  r = cache[CI(h,x)]
+  _r_ = cache[CI(_h_,_x_)]
 }
 
-inline _store(h, x, v) {
+inline _store(_h_, _x_, _v_) {
   if
-  :: !valid[LI(h,LINEOF(x))] -> _fetch(h, LINEOF(x))
+  :: !valid[LI(_h_,LINEOF(_x_))] -> _fetch(_h_, LINEOF(_x_))
   :: else
   fi;
-  cache[CI(h,x)] = v;
-  dirty[LI(h,LINEOF(x))] = 1
+  cache[CI(_h_,_x_)] = _v_;
+  dirty[LI(_h_,LINEOF(_x_))] = 1
 }
 
-inline _flush(h, l) {
+inline _flush(_h_, _l_) {
   if
-  :: dirty[LI(h,l)] -> _writeback(h, l)
+  :: dirty[LI(_h_,_l_)] -> _writeback(_h_, _l_)
   :: else
   fi;
-  _drop(h, l)
+  _drop(_h_, _l_)
 }
 
 /* primitive operations, one step each */
-inline load(h, x, r)      { d_step { _load(h, x, r) } }
-inline store(h, x, v)     { d_step { _store(h, x, v) } }
-inline flush(h, l)        { d_step { _flush(h, l) } }
-inline invalidate(h, l)   { d_step { _flush(h, l) } }
-inline evict(h, l)        { d_step { _flush(h, l) } }
+inline load(_h_, _x_, _r_) { d_step { _load(_h_, _x_, _r_) } }
+inline store(_h_, _x_, _v_) { d_step { _store(_h_, _x_, _v_) } }
+inline flush(_h_, _l_) { d_step { _flush(_h_, _l_) } }
+inline invalidate(_h_, _l_) { d_step { _flush(_h_, _l_) } }
+inline evict(_h_, _l_) { d_step { _flush(_h_, _l_) } }
 
 #ifdef FULL_ENV
 
@@ -156,22 +160,22 @@ inline evict(h, l)        { d_step { _flush(h, l) } }
 #define MAY_TEAR(h, l)
 
 /* "x = v; flush(l); fence": two steps, the env may evict in between */
-inline publish(h, l, x, v) {
-  store(h, x, v);
-  flush(h, l)
+inline publish(_h_, _l_, _x_, _v_) {
+  store(_h_, _x_, _v_);
+  flush(_h_, _l_)
 }
 
 /* "invalidate(l); fence; r = x": two steps, the copy stays valid (and may
  * go stale, or be dropped/refetched by the env) afterwards */
-inline read_fresh(h, l, x, r) {
-  invalidate(h, l);
-  load(h, x, r)
+inline read_fresh(_h_, _l_, _x_, _r_) {
+  invalidate(_h_, _l_);
+  load(_h_, _x_, _r_)
 }
 
-inline read2_fresh(h, l, x1, r1, x2, r2) {
-  invalidate(h, l);
-  load(h, x1, r1);
-  load(h, x2, r2)
+inline read2_fresh(_h_, _l_, _x1_, _r1_, _x2_, _r2_) {
+  invalidate(_h_, _l_);
+  load(_h_, _x1_, _r1_);
+  load(_h_, _x2_, _r2_)
 }
 
 /* ENV(h,l): two options of env's loop */
@@ -193,20 +197,20 @@ end_env:
 #define MAY_TEAR(h, l) if :: skip :: evict(h, l) fi
 #define RUN_ENV skip
 
-inline publish(h, l, x, v) {
-  d_step { _store(h, x, v); _flush(h, l) }
+inline publish(_h_, _l_, _x_, _v_) {
+  d_step { _store(_h_, _x_, _v_); _flush(_h_, _l_) }
 }
 
-inline read_fresh(h, l, x, r) {
-  d_step { _flush(h, l); _load(h, x, r); _drop(h, l) }
+inline read_fresh(_h_, _l_, _x_, _r_) {
+  d_step { _flush(_h_, _l_); _load(_h_, _x_, _r_); _drop(_h_, _l_) }
 }
 
 /* the line may be evicted between the two loads (MAY_TEAR), so r2 may come
  * from a newer version of the line than r1 */
-inline read2_fresh(h, l, x1, r1, x2, r2) {
-  d_step { _flush(h, l); _load(h, x1, r1) };
-  MAY_TEAR(h, l);
-  d_step { _load(h, x2, r2); _drop(h, l) }
+inline read2_fresh(_h_, _l_, _x1_, _r1_, _x2_, _r2_) {
+  d_step { _flush(_h_, _l_); _load(_h_, _x1_, _r1_) };
+  MAY_TEAR(_h_, _l_);
+  d_step { _load(_h_, _x2_, _r2_); _drop(_h_, _l_) }
 }
 
 #endif
