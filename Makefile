@@ -3,9 +3,9 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tract-installed
-SOURCES := pyproject.toml setup.py $(wildcard tract/_native/*.pyx tract/_native/*.h)
+SOURCES := pyproject.toml setup.py $(wildcard tract/_native/*.pyx tract/_native/*.pxd tract/_native/*.h)
 
-.PHONY: demo test test-fast bench asv clean
+.PHONY: demo test test-fast bench asv model clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -27,7 +27,14 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -ra
 	$(PY) -m tract.testing.mutants
+	$(MAKE) model
 	$(MAKE) asv
+
+# The Promela model of the lock protocols (model/README.md), checked with spin
+# (Debian package spin; installed here when missing).  About 3.5 min on 2 cores.
+model:
+	command -v spin >/dev/null || { apt-get update -qq && apt-get install -y -qq spin >/dev/null; }
+	bash model/check.sh
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"

@@ -366,3 +366,50 @@ def test_a_node_that_left_is_skipped_at_once():
     start = pool.clock.now()
     second.lock("alloc").acquire(timeout=SIM_LEASE)
     assert pool.clock.now() - start < SIM_LEASE / 10
+
+
+@pytest.mark.sim
+def test_a_holder_keeps_its_grant_through_a_manager_take_over():
+    """A standby that takes over grants nobody until every node is outside,
+    so a holder inside its predecessor's grant still holds the lock: check()
+    passes; a holder of any older grant has lost it."""
+    pool = _sim_pool(0, 3, "manager", chaos=0.0)
+    first, holder_pool, standby_pool = (
+        Pool(host, node, clock=pool.clock, heartbeat=False, local_locks=False)
+        for node, host in enumerate(pool.hosts))
+    old, new = first.manager(), standby_pool.manager()
+    old.step()  # takes over: REVOKING from nobody until every node is outside
+    old.step()  # they are: nobody holds it
+    assert old.active
+    lock = holder_pool.lock("alloc")
+    lock.global_lock.announce()
+    old.step()  # grants node 1
+    epoch = lock.acquire(timeout=SIM_LEASE)
+    new.step()
+    assert not new.active  # node 0 is live
+    pool.clock.sleep(2 * SIM_LEASE)  # node 0 falls silent; nodes 1 and 2 beat
+    holder_pool.nodes.beat(1)
+    standby_pool.nodes.beat(2)
+    new.step()
+    assert new.active and new.manager_epoch == old.manager_epoch + 1
+    lock.check()
+    assert lock.holder() == (None, epoch + 1)
+    lock.global_lock.epoch = epoch - 1  # an older grant than the last one
+    with pytest.raises(LeaseLost, match="is gone"):
+        lock.check()
+    lock.global_lock.epoch = epoch
+    lock.release()
+    waiter, granted = standby_pool.lock("alloc"), []
+
+    def wait(host):
+        granted.append(waiter.acquire(timeout=SIM_LEASE))
+
+    def manage(host):
+        while not granted:
+            new.step()
+            pool.clock.sleep(1e-5)
+
+    pool.run((2, wait), (2, manage))
+    assert granted[0] > epoch + 1  # node 1 left: the new manager granted node 2
+    with pytest.raises(LeaseLost, match="is gone"):
+        lock.check()

@@ -60,13 +60,15 @@ import dataclasses
 import functools
 import typing
 
+from tract._native import _lockfast
 from tract.errors import ConfigError, CorruptionError, LeaseLost, LockTimeout
 from tract.lease import Backoff, Clock, Liveness, NodeTable
 
-__all__ = ["LOCK_MODES", "Lock", "LockLayout", "LockManager", "LockSpace"]
+__all__ = ["COHORT_PASSES", "LOCK_MODES", "Lock", "LockLayout", "LockManager", "LockSpace"]
 
 LINE = 64
 LOCK_MODES = ("manager", "bakery", "atomic")
+COHORT_PASSES = 64  # local hand-offs of a grant before the node gives it back
 MASK64 = 0xFFFF_FFFF_FFFF_FFFF
 
 # grant states
@@ -318,23 +320,40 @@ class ManagedLock:
             space.fresh(line)
         return manager, manager_epoch, _read_grant(space, line)
 
-    def acquire(self, timeout: float | None = None) -> int:
-        space, region, me = self.space, self.space.region, self.space.node
-        request = self._request
-        start = space.clock.now()
+    def announce(self) -> int:
+        """Bump and publish this node's request seq (R3); returns it."""
+        region, request = self.space.region, self._request
         seq = (region.load_u64(request) + 1) & MASK64
         region.store_u64(request, seq)
-        space.publish(request)
+        self.space.publish(request)
+        return seq
+
+    def attempt(self, seq: int, first: bool) -> tuple[bool, Grant | None, int]:
+        """Look once for this node's grant: (granted, grant line, manager
+        epoch).  The first look after the announce also takes a sticky grant
+        made for an earlier request; later ones only a grant for ``seq``."""
+        _, manager_epoch, grant = self._current()
+        if (grant is not None and grant.manager_epoch == manager_epoch
+                and grant.holder == self.space.node and grant.state == GRANTED
+                and (first or grant.seq == seq)):
+            self.epoch = grant.epoch
+            return True, grant, manager_epoch
+        return False, grant, manager_epoch
+
+    def acquire(self, timeout: float | None = None, seq: int | None = None) -> int:
+        """Take tier 2.  ``seq``: a request already announced (by the native
+        fast path), whose first look found no grant."""
+        space = self.space
+        start = space.clock.now()
+        if seq is None:
+            seq = self.announce()
         backoff = space.backoff()
         first = True
         while True:
-            _, manager_epoch, grant = self._current()
-            if (grant is not None and grant.manager_epoch == manager_epoch
-                    and grant.holder == me and grant.state == GRANTED
-                    and (first or grant.seq == seq)):
-                self.epoch = grant.epoch
+            granted, grant, manager_epoch = self.attempt(seq, first)
+            if granted:
                 return self.epoch
-            self._say_waiting(request, seq, grant, manager_epoch, first)
+            self._say_waiting(self._request, seq, grant, manager_epoch, first)
             first = False
             if timeout is not None and space.clock.now() - start > timeout:
                 self.release()
@@ -370,6 +389,14 @@ class ManagedLock:
 
     repair = release
 
+    def still_granted(self) -> bool:
+        """Whether this node's grant stands unrevoked under the current
+        manager (what a releasing process needs to hand it on locally)."""
+        _, manager_epoch, grant = self._current()
+        return (grant is not None and grant.manager_epoch == manager_epoch
+                and grant.holder == self.space.node and grant.state == GRANTED
+                and grant.epoch == self.epoch)
+
     def holder(self) -> tuple[int | None, int]:
         _, _, grant = self._current()
         return (None, 0) if grant is None else (grant.holder, grant.epoch)
@@ -381,8 +408,16 @@ class ManagedLock:
         while grant is None and space.clock.now() - start < space.lease_timeout:
             backoff.wait()  # torn: its writer is mid-update
             _, manager_epoch, grant = self._current()
-        if (grant is None or grant.holder != space.node or grant.epoch != self.epoch
-                or grant.state == NONE or grant.manager_epoch != manager_epoch):
+        if grant is None or grant.manager_epoch != manager_epoch:
+            held = False
+        elif grant.holder is None:
+            # A new manager took over and waits for every node to be outside:
+            # it has granted nobody since its predecessor's grant to us.
+            held = grant.state == REVOKING and grant.epoch == (self.epoch + 1) & MASK64
+        else:
+            held = (grant.holder == space.node and grant.epoch == self.epoch
+                    and grant.state != NONE)
+        if not held:
             raise LeaseLost(f"lock {self.name!r}: node {self.space.node}'s grant (epoch "
                             f"{self.epoch}) is gone: {grant}")
 
@@ -632,34 +667,56 @@ _TIER2 = {"manager": ManagedLock, "bakery": BakeryLock, "atomic": AtomicLock}
 # ----------------------------------------------------------------- two-tier
 
 class Lock:
-    """A named two-tier lock: ``with pool.lock("alloc"): ...``.
+    """A named two-tier lock: ``with pool.lock("name"): ...``.
 
     Tier 1 (``local``, a `tract._native._localmutex.LocalMutex`, or None when
     this process is the node's only one, as under the simulator) then tier 2.
-    ``epoch`` is the fencing token of the current grant; call ``check()``
-    before publishing work done under the lock.
+    ``fast``: for manager mode with a tier-1 mutex, the native fast path over
+    the same steps (`tract._native._lockfast`), which also hands the grant to
+    the node's next process (cohorting).  ``epoch`` is the fencing token of
+    the current grant; call ``check()`` before publishing work done under the
+    lock.
     """
 
-    def __init__(self, space: LockSpace, mode: str, lock: int, name: str, local=None):
+    def __init__(self, space: LockSpace, mode: str, lock: int, name: str, local=None,
+                 fast=None):
         if mode not in _TIER2:
             raise ConfigError(f"lock mode must be one of {LOCK_MODES}, got {mode!r}")
         if mode == "atomic" and space.region.cache_control.coherence != "hardware":
             raise ConfigError(f"lock mode 'atomic' needs a pool declared coherence='hardware'; "
                               f"lock {name!r} is in a pool with coherence="
                               f"{space.region.cache_control.coherence!r}")
+        if fast is not None and (mode != "manager" or local is None):
+            raise ConfigError(f"lock {name!r}: the native fast path is for manager mode "
+                              f"with a tier-1 mutex (mode {mode!r})")
         self.name = name
         self.mode = mode
         self.global_lock = _TIER2[mode](space, lock, name)
         self.local = local
+        self.fast = fast
         self._timeout: float | None = None
 
     @property
     def epoch(self) -> int:
-        return self.global_lock.epoch
+        return self.global_lock.epoch if self.fast is None else self.fast.epoch
+
+    def _local_timeout(self, timeout: float | None) -> LockTimeout:
+        return LockTimeout(f"lock {self.name!r} not acquired after {timeout} s: another "
+                           f"process of this node holds it")
 
     def acquire(self, timeout: float | None = None) -> int:
         """Take the lock; returns its epoch.  Raises `LockTimeout` after
         ``timeout`` seconds, naming the holder."""
+        fast = self.fast
+        if fast is not None:
+            start = None if timeout is None else self.global_lock.space.clock.now()
+            try:
+                outcome = fast.acquire(timeout)
+            except TimeoutError:
+                raise self._local_timeout(timeout) from None
+            if outcome == _lockfast.ACQUIRED:
+                return fast.epoch
+            return self._acquire_slow(outcome, timeout, start)
         clock = self.global_lock.space.clock
         start = clock.now()
         if self.local is not None:
@@ -669,8 +726,7 @@ class Lock:
                     self.global_lock.repair()
                     self.local.consistent()
             except TimeoutError:
-                raise LockTimeout(f"lock {self.name!r} not acquired after {timeout} s: "
-                                  f"another process of this node holds it") from None
+                raise self._local_timeout(timeout) from None
         try:
             left = None if timeout is None else max(0.0, timeout - (clock.now() - start))
             return self.global_lock.acquire(left)
@@ -679,7 +735,28 @@ class Lock:
                 self.local.release()
             raise
 
+    def _acquire_slow(self, outcome: int, timeout: float | None, start: float | None) -> int:
+        """After the fast path took tier 1 but found no grant, or a dead
+        holder's state: the reference protocol, from the announced seq."""
+        fast, clock = self.fast, self.global_lock.space.clock
+        try:
+            if outcome == _lockfast.OWNER_DIED:
+                fast.repair()  # the dead holder's claim and hand-off
+                self.local.consistent()
+                if fast.attempt() == _lockfast.ACQUIRED:
+                    return fast.epoch
+            left = None if timeout is None else max(0.0, timeout - (clock.now() - start))
+            fast.epoch = self.global_lock.acquire(left, seq=fast.seq)
+            return fast.epoch
+        except BaseException:
+            fast.repair()
+            self.local.release()
+            raise
+
     def release(self) -> None:
+        if self.fast is not None:
+            self.fast.release()
+            return
         try:
             self.global_lock.release()
         finally:
@@ -688,6 +765,8 @@ class Lock:
 
     def check(self) -> None:
         """Raise `LeaseLost` unless this node still holds the lock."""
+        if self.fast is not None:
+            self.global_lock.epoch = self.fast.epoch
         self.global_lock.check()
 
     def holder(self) -> tuple[int | None, int]:

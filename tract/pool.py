@@ -29,9 +29,10 @@ import uuid
 
 from tract import platform
 from tract._native._localmutex import LocalMutex
+from tract._native._lockfast import SLOT_BYTES, ManagerFastPath
 from tract.errors import ConfigError, CorruptionError
 from tract.lease import LINE, Clock, NodeTable
-from tract.lock import LOCK_MODES, Lock, LockLayout, LockManager, LockSpace
+from tract.lock import COHORT_PASSES, LOCK_MODES, Lock, LockLayout, LockManager, LockSpace
 from tract.region import create_region, open_region
 
 __all__ = ["DEFAULT_LOCKS", "Pool", "format_pool"]
@@ -181,6 +182,7 @@ class Pool:
         self.epoch = self._join()
         self._names = {name: index for index, name in header.lock_names}
         self._locks: dict[str, Lock] = {}
+        self._fast_paths: dict[int, ManagerFastPath] = {}
         self._local = _NodeLocal(header.uuid, node, header.max_locks) if local_locks else None
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -267,10 +269,27 @@ class Pool:
         thread.start()
         self._threads.append(thread)
 
+    def _fast_path(self, index: int) -> ManagerFastPath:
+        fast = self._fast_paths.get(index)
+        if fast is None:
+            fast = self._fast_paths[index] = self._local.fast_path(index, self)
+        return fast
+
     def _beat(self) -> None:
+        """Beat every quarter lease; give back a cohort hand-off of this node
+        that no local process took for a whole beat (its waiter timed out or
+        died)."""
         nodes = NodeTable(self.region, self.header.node_table, self.header.max_nodes)
+        cohorting = self._local is not None and self.header.lock_mode_name == "manager"
+        seen: dict[int, tuple[int, int, int]] = {}
         while not self._stop.wait(self.header.lease_timeout / 4):
             nodes.beat(self.node)
+            if cohorting:
+                for index in self._names.values():
+                    words = self._fast_path(index).slot_words()
+                    if words[0] and seen.get(index) == words:
+                        self._fast_path(index).sweep()
+                    seen[index] = words
 
     def manager(self) -> LockManager:
         """A lock manager for this node (run it with ``.run(stop_event)``)."""
@@ -286,9 +305,13 @@ class Pool:
                 raise ConfigError(f"pool has no lock named {name!r}; it has "
                                   f"{sorted(self._names)}")
             index = self._names[name]
-            local = self._local.mutex(index) if self._local is not None else None
+            local = fast = None
+            if self._local is not None:
+                local = self._local.mutex(index)
+                if self.header.lock_mode_name == "manager":
+                    fast = self._fast_path(index)
             lock = self._locks[name] = Lock(self.space, self.header.lock_mode_name, index, name,
-                                            local)
+                                            local, fast)
         return lock
 
     def leave(self) -> None:
@@ -301,6 +324,7 @@ class Pool:
             thread.join()
         self._threads.clear()
         self._locks.clear()
+        self._fast_paths.clear()
         if self._local is not None:
             self._local.close()
         self.region.close()
@@ -330,7 +354,7 @@ class _NodeLocal:
 
     def __init__(self, pool_uuid, node: int, max_locks: int):
         path = os.path.join(_LOCAL_DIR, f"tract-{pool_uuid.hex}-node{node}.locks")
-        size = _round_up((max_locks + 1) * LINE, 4096)
+        size = _round_up((max_locks + 1) * SLOT_BYTES, 4096)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
@@ -340,13 +364,21 @@ class _NodeLocal:
             self.region = open_region(path, coherence="hardware")
             if fresh:
                 for index in range(max_locks + 1):  # one per lock, one for the manager
-                    LocalMutex(self.region, index * LINE).initialize()
+                    LocalMutex(self.region, index * SLOT_BYTES).initialize()
         finally:
             os.close(fd)  # releases the flock
         self.path = path
 
     def mutex(self, index: int) -> LocalMutex:
-        return LocalMutex(self.region, index * LINE)
+        return LocalMutex(self.region, index * SLOT_BYTES)
+
+    def fast_path(self, index: int, pool: Pool) -> ManagerFastPath:
+        """The native manager-mode fast path of lock ``index`` for ``pool``'s node."""
+        layout = pool.layout
+        return ManagerFastPath(pool.region, self.region, self.mutex(index), index * SLOT_BYTES,
+                               layout.request_line(index, pool.node), layout.manager_line,
+                               layout.grant_line(index, 0), pool.node, layout.max_nodes,
+                               COHORT_PASSES)
 
     def close(self) -> None:
         self.region.close()

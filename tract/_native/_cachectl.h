@@ -294,4 +294,17 @@ static inline uint64_t tract_cas_u64(uint64_t *addr, uint64_t expected, uint64_t
     return expected;
 }
 
+/* Atomic add on a u64; returns the new value.  For node-local memory (one
+ * host: coherent), e.g. the count of a lock's local waiters. */
+static inline uint64_t tract_add_u64(uint64_t *addr, int64_t delta)
+{
+    return __atomic_add_fetch(addr, (uint64_t)delta, __ATOMIC_SEQ_CST);
+}
+
+/* Atomic load of a u64 (sequentially consistent), node-local memory. */
+static inline uint64_t tract_load_u64(const uint64_t *addr)
+{
+    return __atomic_load_n(addr, __ATOMIC_SEQ_CST);
+}
+
 #endif /* TRACT_CACHECTL_H */

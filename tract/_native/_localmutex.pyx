@@ -12,40 +12,49 @@ from libc.string cimport strerror
 from libc.stdint cimport uintptr_t
 from posix.time cimport CLOCK_REALTIME, clock_gettime, timespec
 
-cdef extern from "errno.h" nogil:
-    int EBUSY, EOWNERDEAD, ETIMEDOUT
-
-cdef extern from "pthread.h" nogil:
-    ctypedef struct pthread_mutex_t:
-        pass
-    ctypedef struct pthread_mutexattr_t:
-        pass
-    int PTHREAD_PROCESS_SHARED
-    int PTHREAD_MUTEX_ROBUST
-    int pthread_mutexattr_init(pthread_mutexattr_t *)
-    int pthread_mutexattr_destroy(pthread_mutexattr_t *)
-    int pthread_mutexattr_setpshared(pthread_mutexattr_t *, int)
-    int pthread_mutexattr_setrobust(pthread_mutexattr_t *, int)
-    int pthread_mutex_init(pthread_mutex_t *, const pthread_mutexattr_t *)
-    int pthread_mutex_lock(pthread_mutex_t *)
-    int pthread_mutex_trylock(pthread_mutex_t *)
-    int pthread_mutex_timedlock(pthread_mutex_t *, const timespec *)
-    int pthread_mutex_unlock(pthread_mutex_t *)
-    int pthread_mutex_consistent(pthread_mutex_t *)
+from tract._native._pthread cimport (
+    EBUSY, EOWNERDEAD, ETIMEDOUT, PTHREAD_MUTEX_ROBUST, PTHREAD_PROCESS_SHARED,
+    pthread_mutex_consistent, pthread_mutex_init, pthread_mutex_lock, pthread_mutex_t,
+    pthread_mutex_timedlock, pthread_mutex_trylock, pthread_mutex_unlock,
+    pthread_mutexattr_destroy, pthread_mutexattr_init, pthread_mutexattr_setpshared,
+    pthread_mutexattr_setrobust, pthread_mutexattr_t)
 
 SIZE = sizeof(pthread_mutex_t)
 
 
-cdef int _raise(int code, str call, str where) except -1:
+cdef int raise_code(int code, str call, str where) except -1:
     raise OSError(code, f"{call} on local mutex {where} failed: {strerror(code).decode()}")
+
+
+cdef int wait(LocalMutex mutex, timeout) except -1:
+    """Block (without the GIL) until ``mutex`` is ours: 0, or EOWNERDEAD when
+    its last holder died holding it.  TimeoutError after ``timeout`` s."""
+    cdef int code
+    cdef timespec deadline
+    if timeout is None:
+        with nogil:
+            code = pthread_mutex_lock(mutex._mutex)
+    else:
+        clock_gettime(CLOCK_REALTIME, &deadline)
+        whole = int(timeout)
+        deadline.tv_sec += whole
+        deadline.tv_nsec += int((timeout - whole) * 1e9)
+        if deadline.tv_nsec >= 1000000000:
+            deadline.tv_sec += 1
+            deadline.tv_nsec -= 1000000000
+        with nogil:
+            code = pthread_mutex_timedlock(mutex._mutex, &deadline)
+    if code == 0 or code == EOWNERDEAD:
+        return code
+    if code == ETIMEDOUT:
+        raise TimeoutError(f"local mutex {mutex._where} still held after {timeout} s")
+    return raise_code(code, "pthread_mutex_lock", mutex._where)
 
 
 cdef class LocalMutex:
     """A robust process-shared mutex at ``offset`` of ``region`` (a node-local mapping)."""
 
-    cdef pthread_mutex_t *_mutex
-    cdef object _region
-    cdef str _where
+    # fields: _localmutex.pxd
 
     def __cinit__(self, region, Py_ssize_t offset):
         if offset % 8:
@@ -60,7 +69,7 @@ cdef class LocalMutex:
         cdef pthread_mutexattr_t attr
         cdef int code = pthread_mutexattr_init(&attr)
         if code:
-            _raise(code, "pthread_mutexattr_init", self._where)
+            raise_code(code, "pthread_mutexattr_init", self._where)
         try:
             for code, call in ((pthread_mutexattr_setpshared(&attr, PTHREAD_PROCESS_SHARED),
                                 "pthread_mutexattr_setpshared"),
@@ -68,7 +77,7 @@ cdef class LocalMutex:
                                 "pthread_mutexattr_setrobust"),
                                (pthread_mutex_init(self._mutex, &attr), "pthread_mutex_init")):
                 if code:
-                    _raise(code, call, self._where)
+                    raise_code(code, call, self._where)
         finally:
             pthread_mutexattr_destroy(&attr)
 
@@ -76,28 +85,7 @@ cdef class LocalMutex:
         """Take the mutex.  Returns True when the previous holder died
         holding it (call `consistent` after repairing), False otherwise.
         Raises TimeoutError after ``timeout`` seconds."""
-        cdef int code
-        cdef timespec deadline
-        if timeout is None:
-            with nogil:
-                code = pthread_mutex_lock(self._mutex)
-        else:
-            clock_gettime(CLOCK_REALTIME, &deadline)
-            whole = int(timeout)
-            deadline.tv_sec += whole
-            deadline.tv_nsec += int((timeout - whole) * 1e9)
-            if deadline.tv_nsec >= 1000000000:
-                deadline.tv_sec += 1
-                deadline.tv_nsec -= 1000000000
-            with nogil:
-                code = pthread_mutex_timedlock(self._mutex, &deadline)
-        if code == 0:
-            return False
-        if code == EOWNERDEAD:
-            return True
-        if code == ETIMEDOUT:
-            raise TimeoutError(f"local mutex {self._where} still held after {timeout} s")
-        _raise(code, "pthread_mutex_lock", self._where)
+        return wait(self, timeout) == EOWNERDEAD
 
     def try_acquire(self):
         """Take the mutex if free: None if busy, else as `acquire`."""
@@ -108,15 +96,15 @@ cdef class LocalMutex:
             return True
         if code == EBUSY:
             return None
-        _raise(code, "pthread_mutex_trylock", self._where)
+        raise_code(code, "pthread_mutex_trylock", self._where)
 
     def consistent(self):
         """Declare the state a dead holder left repaired (after EOWNERDEAD)."""
         cdef int code = pthread_mutex_consistent(self._mutex)
         if code:
-            _raise(code, "pthread_mutex_consistent", self._where)
+            raise_code(code, "pthread_mutex_consistent", self._where)
 
     def release(self):
         cdef int code = pthread_mutex_unlock(self._mutex)
         if code:
-            _raise(code, "pthread_mutex_unlock", self._where)
+            raise_code(code, "pthread_mutex_unlock", self._where)

@@ -94,17 +94,8 @@ cdef class Region:
     refuses to unmap under exported views.
     """
 
-    cdef char *_base
-    cdef size_t _size
-    cdef readonly str path
-    cdef readonly str kind
-    cdef readonly object cache_control
-    cdef int _flush_insn
-    cdef int _invalidate_insn
-    cdef int _writeback_insn
-    cdef int _payload_insn
-    cdef int _nt_kind
-    cdef Py_ssize_t _exports
+    # fields: _region.pxd (other native modules read _base, _size and the
+    # instruction choices; they check _base != NULL on every call)
 
     def __cinit__(self):
         self._base = NULL
@@ -118,7 +109,7 @@ cdef class Region:
 
     # ---------------------------------------------------------------- checks
 
-    cdef inline int _check(self, int64_t offset, int64_t length) except -1:
+    cdef int _check(self, int64_t offset, int64_t length) except -1:
         if self._base == NULL:
             raise ValueError(f"region {self.path!r} is closed")
         if offset < 0 or length < 0 or <uint64_t>offset > self._size \
@@ -128,7 +119,7 @@ cdef class Region:
                 f"of size {self._size}")
         return 0
 
-    cdef inline int _check_aligned(self, int64_t offset, int width) except -1:
+    cdef int _check_aligned(self, int64_t offset, int width) except -1:
         self._check(offset, width)
         if offset & (width - 1):
             raise BoundsError(

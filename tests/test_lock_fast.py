@@ -1,0 +1,225 @@
+"""The native fast path of manager-mode locks (`tract._native._lockfast`)
+against its reference, the Python steps of `tract.lock.ManagedLock`, on the
+same memory states; and cohorting (local hand-offs of a grant) natively."""
+
+import itertools
+import multiprocessing
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from tract._native import _lockfast
+from tract.errors import CorruptionError
+from tract.lock import COHORT_PASSES, GRANTED, NONE, REVOKING, _grant_check
+from tract.pool import Pool
+
+NODE = 1
+MAX_NODES = 4
+
+
+@pytest.fixture
+def pool(pool_path):
+    Pool.create(pool_path, 1 << 20, lock_mode="manager", max_nodes=MAX_NODES, lease_timeout=0.5)
+    with Pool.open(pool_path, NODE) as handle:
+        yield handle
+
+
+def _states():
+    """Manager line x grant line x request line, including torn, foreign,
+    stale-manager and out-of-range values."""
+    managers = [(0, 7), (3, 7), (NODE + 1, 7), (MAX_NODES + 5, 7)]
+    holders = [0, NODE + 1, 3, MAX_NODES + 9]
+    states = [NONE, GRANTED, REVOKING, 9]
+    for (manager, manager_epoch), holder, state, grant_epoch, torn, stale, request in \
+            itertools.product(managers, holders, states, [5, 6], [False, True], [False, True],
+                              [(0, 0, 0), (4, 3, 4)]):
+        fields = [holder, state, 2, grant_epoch, manager_epoch - stale]
+        check = _grant_check(fields) ^ torn
+        yield (manager, manager_epoch), fields + [check], request
+
+
+def _write(pool, lock, state):
+    (manager, manager_epoch), grant, request = state
+    region, layout = pool.region, pool.layout
+    region.store_u64(layout.manager_line, manager)
+    region.store_u64(layout.manager_line + 8, manager_epoch)
+    if 0 < manager <= MAX_NODES:
+        for index, value in enumerate(grant):
+            region.store_u64(layout.grant_line(lock, manager - 1) + 8 * index, value)
+    for index, value in enumerate(request):
+        region.store_u64(layout.request_line(lock, NODE) + 8 * index, value)
+
+
+def _lock_area(pool):
+    return pool.region.read(pool.layout.offset, pool.layout.nbytes)
+
+
+def test_grant_check_twin():
+    for fields in ([0] * 5, [1, 2, 3, 4, 5], [2**64 - 1] * 5, [NODE + 1, GRANTED, 9, 2**63, 1]):
+        assert _lockfast.grant_check(fields) == _grant_check(fields)
+
+
+def test_announce_and_first_attempt_match_the_reference(pool):
+    lock = pool.lock("alloc")
+    index, reference, fast = pool._names["alloc"], lock.global_lock, lock.fast
+    compared = 0
+    for state in _states():
+        _write(pool, index, state)
+        seq = reference.announce()
+        try:
+            granted, _, _ = reference.attempt(seq, first=True)
+        except CorruptionError:
+            granted = False  # the reference raises; the fast path must leave it to it
+        expected = (_lockfast.ACQUIRED if granted else _lockfast.ANNOUNCED, seq,
+                    reference.epoch if granted else None, _lock_area(pool))
+        _write(pool, index, state)
+        outcome = fast.attempt()
+        assert (outcome, fast.seq, fast.epoch if outcome == _lockfast.ACQUIRED else None,
+                _lock_area(pool)) == expected, state
+        compared += 1
+    assert compared == 4 * 4 * 4 * 2 * 2 * 2 * 2
+
+
+def test_still_granted_and_release_match_the_reference(pool):
+    lock = pool.lock("alloc")
+    index, reference, fast = pool._names["alloc"], lock.global_lock, lock.fast
+    for state in _states():
+        for epoch in (5, 6):
+            reference.epoch = fast.epoch = epoch
+            _write(pool, index, state)
+            try:
+                expected = reference.still_granted()
+            except CorruptionError:
+                expected = False
+            assert fast.still_granted() == expected, (state, epoch)
+        _write(pool, index, state)
+        reference.release()
+        expected = _lock_area(pool)
+        _write(pool, index, state)
+        fast.repair()
+        assert _lock_area(pool) == expected
+        assert fast.slot_words() == (0, 0, 0)
+
+
+def test_uncontended_acquire_takes_the_sticky_grant_natively(pool_path):
+    Pool.create(pool_path, 1 << 20, lock_mode="manager", max_nodes=MAX_NODES, lease_timeout=0.5)
+    with Pool.open(pool_path, NODE, manager=True) as pool:
+        lock = pool.lock("alloc")
+        with lock(timeout=10):  # the first grant goes through the manager
+            first = lock.epoch
+        request = pool.layout.request_line(pool._names["alloc"], NODE)
+        for _ in range(3):
+            before = pool.region.load_u64(request)
+            assert lock.fast.acquire() == _lockfast.ACQUIRED  # sticky: no wait
+            assert lock.epoch == first and lock.fast.seq == before + 1
+            lock.check()
+            lock.release()
+            assert pool.region.load_u64s(request, 3) == (before + 1,) * 3
+
+
+def _blocked_acquire(lock, results):
+    results.append(lock.acquire(timeout=10))
+    lock.release()
+
+
+def test_a_local_waiter_gets_the_grant_without_pool_writes(pool_path):
+    Pool.create(pool_path, 1 << 20, lock_mode="manager", max_nodes=MAX_NODES, lease_timeout=0.5)
+    with Pool.open(pool_path, NODE, manager=True) as pool, Pool.open(pool_path, NODE) as other:
+        lock, waiting = pool.lock("alloc"), other.lock("alloc")
+        epoch = lock.acquire(timeout=10)
+        request = pool.layout.request_line(pool._names["alloc"], NODE)
+        results = []
+        thread = threading.Thread(target=_blocked_acquire, args=(waiting, results))
+        thread.start()
+        while lock.fast.slot_words()[1] == 0:  # the waiter is counted
+            time.sleep(0.001)
+        line = pool.region.read(request, 64)
+        lock.release()
+        thread.join(10)
+        assert results == [epoch]  # the same grant, handed over
+        # the waiter gave it back on release (no one else waited): seqs moved once
+        assert pool.region.read(request, 64) != line
+        assert lock.fast.slot_words() == (0, 0, 0)
+
+
+def test_hand_offs_stop_at_the_bound(pool):
+    lock = pool.lock("alloc")
+    fast = lock.fast
+    # pretend this node holds a grant and one local process waits forever
+    index = pool._names["alloc"]
+    _write(pool, index, ((NODE + 1, 7), [NODE + 1, GRANTED, 1, 5, 7,
+                                           _grant_check([NODE + 1, GRANTED, 1, 5, 7])],
+                         (1, 0, 0)))
+    waiters = pool._local.region
+    slot = index * _lockfast.SLOT_BYTES + 72
+    waiters.store_u64(slot, 1)
+    handed = 0
+    while True:
+        assert fast.acquire() == _lockfast.ACQUIRED
+        fast.release()
+        if fast.slot_words()[0] == 0:
+            break
+        handed += 1
+    assert handed == COHORT_PASSES
+    waiters.store_u64(slot, 0)
+
+
+def test_a_revoked_grant_is_given_back_not_handed_over(pool):
+    lock, index = pool.lock("alloc"), pool._names["alloc"]
+    fields = [NODE + 1, REVOKING, 1, 5, 7]
+    _write(pool, index, ((NODE + 1, 7), fields + [_grant_check(fields)], (1, 0, 0)))
+    slot = index * _lockfast.SLOT_BYTES + 72
+    pool._local.region.store_u64(slot, 1)  # a local waiter
+    assert lock.fast.acquire() == _lockfast.ANNOUNCED  # REVOKING: not taken
+    lock.fast.epoch = 5
+    lock.fast.release()
+    assert lock.fast.slot_words()[0] == 0  # given back
+    pool._local.region.store_u64(slot, 0)
+
+
+def test_sweep_gives_back_a_hand_off_nobody_took(pool):
+    lock, index = pool.lock("alloc"), pool._names["alloc"]
+    fields = [NODE + 1, GRANTED, 1, 5, 7]
+    _write(pool, index, ((NODE + 1, 7), fields + [_grant_check(fields)], (1, 0, 0)))
+    slot = index * _lockfast.SLOT_BYTES + 72
+    pool._local.region.store_u64(slot, 1)  # a waiter that then gave up
+    assert lock.fast.acquire() == _lockfast.ACQUIRED
+    lock.fast.release()
+    pool._local.region.store_u64(slot, 0)
+    assert lock.fast.slot_words()[0] == 6  # handed over, to nobody
+    assert lock.fast.sweep() is True
+    request = pool.layout.request_line(index, NODE)
+    assert pool.region.load_u64s(request, 3) == (2, 2, 2)  # announced once, given back
+    assert lock.fast.slot_words() == (0, 0, 0)
+    assert lock.fast.sweep() is False
+
+
+def _die_holding(path, ready):
+    pool = Pool.open(path, NODE)
+    pool.lock("alloc").acquire(timeout=10)
+    ready.set()
+    time.sleep(600)
+
+
+@pytest.mark.multiprocess
+def test_a_holder_killed_after_a_hand_off_is_repaired(pool_path):
+    Pool.create(pool_path, 1 << 20, lock_mode="manager", max_nodes=MAX_NODES, lease_timeout=0.5)
+    context = multiprocessing.get_context("spawn")
+    ready = context.Event()
+    with Pool.open(pool_path, 0, manager=True) as manager_pool:
+        victim = context.Process(target=_die_holding, args=(pool_path, ready))
+        victim.start()
+        assert ready.wait(60)
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.join(30)
+        with Pool.open(pool_path, NODE) as pool:
+            lock = pool.lock("alloc")
+            epoch = lock.acquire(timeout=10)  # EOWNERDEAD: repaired, then granted
+            lock.check()
+            lock.release()
+            other = manager_pool.lock("alloc")
+            assert other.acquire(timeout=10) > epoch  # node 1 gave it back
+            other.release()

@@ -1,0 +1,270 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+"""Private: the native fast path of a manager-mode lock, with lock cohorting.
+
+The protocol is `tract.lock`'s; its Python steps are the reference, and they
+are what runs under the simulator and the mutation harness.  This module does
+the same steps in one call each, so an uncontended acquire + release costs
+its cache-line round trips rather than ~30 Python calls:
+
+``acquire``
+    tier 1 (the node-local robust mutex), then either the tier-2 hold handed
+    over by the last local holder (cohorting, below) or
+    `ManagedLock.announce` + one `ManagedLock.attempt`;
+``release``
+    the cohort hand-off, or `ManagedLock.release`, then tier 1.
+
+The fast path never decides a hard case: when the grant is not this node's,
+or a line is torn, or a value is out of range, it reports ``ANNOUNCED`` and
+the caller goes on with the reference (which waits, times out, or raises
+`CorruptionError`).  tests/test_lock_fast.py runs both on the same memory
+states and requires the same outcome and the same bytes.
+
+Cohorting (DESIGN.md §3).  A lock's slot in the node-local file is two
+lines: its mutex, then ``held`` (grant epoch + 1 while this node's tier-2 hold is being
+handed to the next local holder, else 0), ``waiters`` (processes of this
+node blocked on the mutex; atomics: node-local memory is coherent) and
+``passes`` (local hand-offs since the node last gave the grant back).  A
+releasing process that sees a local waiter and has made fewer than the
+bound of passes keeps the tier-2 hold and hands it over through the mutex,
+touching no pool memory; every ``PASSES_PER_CHECK`` passes it first reads
+the grant line and gives the grant back instead if the manager is revoking
+it or it is no longer this node's (a lapsed lease: the fencing token, which
+every holder checks before publishing, is what guards the data).  The bound
+keeps other nodes from starving: the manager never takes back a grant whose
+request is still in use.  ``held`` and ``passes`` change only
+under the mutex; a holder that dies is repaired by the next (EOWNERDEAD:
+tier 2 given back, slot cleared); a hand-off nobody takes (a waiter that
+timed out) is given back by `sweep`, which every process's heartbeat runs.
+
+Rules relied on (DESIGN.md): R2 — the request line is written only by this
+node, the slot only under its mutex; R3 — the request line is flushed and
+fenced before the grant is read; R4 — the manager and grant lines are
+invalidated and fenced before every read; R5 — a node or state out of range
+sends the call to the reference, which raises.
+"""
+
+from libc.stdint cimport int64_t, uint64_t
+
+from tract._native._localmutex cimport LocalMutex, raise_code, wait
+from tract._native._pthread cimport EBUSY, EOWNERDEAD, pthread_mutex_trylock, pthread_mutex_unlock
+from tract._native._region cimport Region
+
+cdef extern from "_cachectl.h" nogil:
+    void tract_lines(int insn, const char *addr, size_t length) noexcept
+    void tract_fence() noexcept
+    uint64_t tract_add_u64(uint64_t *addr, int64_t delta) noexcept
+    uint64_t tract_load_u64(const uint64_t *addr) noexcept
+
+cdef enum Outcome:  # what `acquire` and `attempt` report
+    OUTCOME_ACQUIRED = 0  # the lock is held; ``epoch`` is the grant's
+    OUTCOME_OWNER_DIED = 1  # tier 1 held, its last holder died: `repair`, consistent, `attempt`
+    OUTCOME_ANNOUNCED = 2  # tier 1 held, request ``seq`` announced, no grant yet: wait
+
+ACQUIRED, OWNER_DIED, ANNOUNCED = OUTCOME_ACQUIRED, OUTCOME_OWNER_DIED, OUTCOME_ANNOUNCED
+
+SLOT_BYTES = 128  # a lock's node-local slot: the mutex's line, the cohort line
+
+cdef enum:
+    LINE = 64
+    STATE_GRANTED = 1
+    HELD_WORD = 8  # u64 indexes in the slot: the cohort line
+    WAITERS_WORD = 9
+    PASSES_WORD = 10
+    PASSES_PER_CHECK = 8  # hand-offs between two reads of the grant line
+
+
+cdef inline uint64_t _grant_check(const volatile uint64_t *fields) noexcept nogil:
+    cdef uint64_t check = 0x515241435447524E
+    cdef int i
+    for i in range(5):
+        check = (check ^ fields[i]) * <uint64_t>0x100000001B3 + <uint64_t>0x9E3779B9
+    return check
+
+
+def grant_check(fields):
+    """The check word of five grant fields (twin of ``tract.lock._grant_check``)."""
+    cdef uint64_t words[5]
+    for i in range(5):
+        words[i] = fields[i]
+    return _grant_check(words)
+
+
+cdef class ManagerFastPath:
+    """One lock, one node: the fast path over the pool region and the lock's
+    node-local slot.  Offsets are checked here once; every call checks that
+    neither mapping was closed since."""
+
+    cdef Region pool
+    cdef Region local_region
+    cdef LocalMutex mutex
+    cdef int64_t slot, request, manager_line, grant_base, last_grant
+    cdef uint64_t me, max_nodes, passes_bound
+    cdef public uint64_t epoch
+    cdef readonly uint64_t seq
+
+    def __cinit__(self, Region pool, Region local_region, LocalMutex mutex, int64_t slot,
+                  int64_t request, int64_t manager_line, int64_t grant_base, int node,
+                  int max_nodes, int passes_bound):
+        if not 0 <= node < max_nodes:
+            raise ValueError(f"node {node} is outside 0..{max_nodes - 1}")
+        for offset in (request, manager_line, grant_base):
+            if offset % LINE:
+                raise ValueError(f"lock line offset {offset} is not {LINE}-byte aligned")
+        pool._check(request, LINE)
+        pool._check(manager_line, LINE)
+        pool._check(grant_base, max_nodes * LINE)
+        local_region._check_aligned(slot, 8)
+        local_region._check(slot, 2 * LINE)
+        if <char *>mutex._mutex != local_region._base + slot:
+            raise ValueError(f"the local mutex is not at the start of slot {slot}")
+        if passes_bound < 0:
+            raise ValueError(f"passes_bound {passes_bound} is negative")
+        self.pool, self.local_region, self.mutex = pool, local_region, mutex
+        self.slot, self.request, self.manager_line = slot, request, manager_line
+        self.grant_base, self.last_grant = grant_base, -1
+        self.me, self.max_nodes, self.passes_bound = node + 1, max_nodes, passes_bound
+        self.epoch = self.seq = 0
+
+    cdef uint64_t *_slot(self) except NULL:
+        if self.pool._base == NULL or self.local_region._base == NULL:
+            raise ValueError(f"lock fast path over {self.pool.path!r}: a mapping is closed")
+        return <uint64_t *>(self.local_region._base + self.slot)
+
+    # ------------------------------------------------------------- tier 2
+
+    cdef inline volatile uint64_t *_fresh_grant(self, uint64_t *manager_epoch) noexcept nogil:
+        """`ManagedLock._current`: the current manager's grant line, fresh
+        (NULL when no manager is named, or one out of range)."""
+        cdef char *base = self.pool._base
+        cdef int64_t line
+        tract_lines(self.pool._invalidate_insn, base + self.manager_line, LINE)
+        if self.last_grant >= 0:
+            tract_lines(self.pool._invalidate_insn, base + self.last_grant, LINE)
+        tract_fence()
+        cdef volatile uint64_t *manager = <volatile uint64_t *>(base + self.manager_line)
+        cdef uint64_t node = manager[0]
+        manager_epoch[0] = manager[1]
+        if node == 0 or node > self.max_nodes:
+            return NULL
+        line = self.grant_base + <int64_t>(node - 1) * LINE
+        if line != self.last_grant:
+            self.last_grant = line
+            tract_lines(self.pool._invalidate_insn, base + line, LINE)
+            tract_fence()
+        return <volatile uint64_t *>(base + line)
+
+    cdef inline bint _mine(self, volatile uint64_t *grant, uint64_t manager_epoch) noexcept nogil:
+        """A whole grant line, in range, granting this node under the current manager."""
+        return (grant != NULL and _grant_check(grant) == grant[5] and grant[0] == self.me
+                and grant[1] == STATE_GRANTED and grant[4] == manager_epoch)
+
+    cdef int _attempt(self) noexcept nogil:
+        """`ManagedLock.announce` then `ManagedLock.attempt(first=True)`."""
+        cdef volatile uint64_t *request = <volatile uint64_t *>(self.pool._base + self.request)
+        cdef uint64_t manager_epoch
+        self.seq = request[0] + 1
+        request[0] = self.seq
+        tract_lines(self.pool._flush_insn, <char *>request, LINE)
+        tract_fence()
+        cdef volatile uint64_t *grant = self._fresh_grant(&manager_epoch)
+        if self._mine(grant, manager_epoch):
+            self.epoch = grant[3]
+            return OUTCOME_ACQUIRED
+        return OUTCOME_ANNOUNCED
+
+    cdef void _give_back(self, uint64_t *slot) noexcept nogil:
+        """`ManagedLock.release` (done and wait = request seq), and the slot cleared."""
+        cdef volatile uint64_t *request = <volatile uint64_t *>(self.pool._base + self.request)
+        cdef uint64_t seq = request[0]
+        request[1] = seq
+        request[2] = seq
+        tract_lines(self.pool._flush_insn, <char *>request, LINE)
+        tract_fence()
+        slot[HELD_WORD] = 0
+        slot[PASSES_WORD] = 0
+
+    # ---------------------------------------------------------------- API
+
+    def acquire(self, timeout=None):
+        """Tier 1, then tier 2's fast attempt: ACQUIRED, OWNER_DIED or
+        ANNOUNCED (see the module constants).  TimeoutError when tier 1
+        stays busy ``timeout`` seconds."""
+        cdef uint64_t *slot = self._slot()
+        cdef int code = pthread_mutex_trylock(self.mutex._mutex)
+        if code == EBUSY:
+            tract_add_u64(&slot[WAITERS_WORD], 1)
+            try:
+                code = wait(self.mutex, timeout)
+            finally:
+                tract_add_u64(&slot[WAITERS_WORD], -1)
+        elif code != 0 and code != EOWNERDEAD:
+            raise_code(code, "pthread_mutex_trylock", self.mutex._where)
+        if code == EOWNERDEAD:
+            return OUTCOME_OWNER_DIED
+        if slot[HELD_WORD]:  # handed over by the last local holder
+            self.epoch = slot[HELD_WORD] - 1
+            slot[HELD_WORD] = 0
+            return OUTCOME_ACQUIRED
+        return self._attempt()
+
+    def attempt(self):
+        """Announce a request and look once for the grant (tier 1 held)."""
+        self._slot()
+        return self._attempt()
+
+    def still_granted(self):
+        """`ManagedLock.still_granted` (False also for a torn or bad line)."""
+        self._slot()
+        cdef uint64_t manager_epoch
+        cdef volatile uint64_t *grant = self._fresh_grant(&manager_epoch)
+        return self._mine(grant, manager_epoch) and grant[3] == self.epoch
+
+    def release(self):
+        """Hand the tier-2 hold to a local waiter (cohorting) or give it
+        back, then release tier 1."""
+        cdef uint64_t *slot = self._slot()
+        cdef uint64_t manager_epoch
+        cdef volatile uint64_t *grant
+        cdef bint keep = False
+        if tract_load_u64(&slot[WAITERS_WORD]) and slot[PASSES_WORD] < self.passes_bound:
+            keep = True
+            if slot[PASSES_WORD] % PASSES_PER_CHECK == 0:
+                grant = self._fresh_grant(&manager_epoch)
+                keep = self._mine(grant, manager_epoch) and grant[3] == self.epoch
+        if keep:
+            slot[PASSES_WORD] += 1
+            slot[HELD_WORD] = self.epoch + 1
+        else:
+            self._give_back(slot)
+        cdef int code = pthread_mutex_unlock(self.mutex._mutex)
+        if code:
+            raise_code(code, "pthread_mutex_unlock", self.mutex._where)
+
+    def repair(self):
+        """After OWNER_DIED (or a failed wait): give tier 2 back, clear the slot."""
+        self._give_back(self._slot())
+
+    def sweep(self):
+        """Give back a hand-off no local process took.  True if it did."""
+        cdef uint64_t *slot = self._slot()
+        if not slot[HELD_WORD]:
+            return False
+        cdef int code = pthread_mutex_trylock(self.mutex._mutex)
+        if code == EBUSY:
+            return False
+        if code != 0 and code != EOWNERDEAD:
+            raise_code(code, "pthread_mutex_trylock", self.mutex._where)
+        swept = code == EOWNERDEAD or slot[HELD_WORD] != 0
+        if swept:
+            self._give_back(slot)
+        if code == EOWNERDEAD:
+            self.mutex.consistent()
+        code = pthread_mutex_unlock(self.mutex._mutex)
+        if code:
+            raise_code(code, "pthread_mutex_unlock", self.mutex._where)
+        return swept
+
+    def slot_words(self):
+        """(held, waiters, passes) as this node sees them (for tests and `tract pool info`)."""
+        cdef uint64_t *slot = self._slot()
+        return slot[HELD_WORD], tract_load_u64(&slot[WAITERS_WORD]), slot[PASSES_WORD]

@@ -1,0 +1,25 @@
+# cython: language_level=3
+"""C-level view of `Region` for other native modules (``cimport``).
+
+A native user reads ``_base`` on every call and treats NULL as closed; it
+checks its offsets once against ``_size`` when it is built.
+"""
+
+from libc.stdint cimport int64_t
+
+
+cdef class Region:
+    cdef char *_base
+    cdef size_t _size
+    cdef readonly str path
+    cdef readonly str kind
+    cdef readonly object cache_control
+    cdef int _flush_insn
+    cdef int _invalidate_insn
+    cdef int _writeback_insn
+    cdef int _payload_insn
+    cdef int _nt_kind
+    cdef Py_ssize_t _exports
+
+    cdef int _check(self, int64_t offset, int64_t length) except -1
+    cdef int _check_aligned(self, int64_t offset, int width) except -1
