@@ -91,7 +91,7 @@ def test_manager_command_grants_and_stops_on_sigterm(pool_path):
 
     from tract.pool import Pool
 
-    assert main(["pool", "create", pool_path, "--size", "1M", "--max-nodes", "4",
+    assert main(["pool", "create", pool_path, "--size", "1M", "--chunk-size", "64K", "--max-nodes", "4",
                  "--lease", "0.5"]) == 0
     manager = subprocess.Popen([sys.executable, "-m", "tract.cli", "manager", pool_path,
                                 "--node", "3"], stdout=subprocess.PIPE, text=True)

@@ -24,7 +24,8 @@ SIM_LEASE = 0.004  # virtual seconds: 4000 simulated operations
 
 def _sim_pool(seed, nodes, mode, chaos=0.2, max_steps=120_000):
     pool = SimPool(64 * 1024, hosts=nodes, seed=seed, chaos=chaos, max_steps=max_steps)
-    format_pool(pool.hosts[0], max_nodes=nodes, locks=("alloc",), max_locks=2,
+    format_pool(pool.hosts[0], max_nodes=nodes, locks=("alloc", "objects"), max_locks=2,
+                chunk_size=8192, max_objects=16, index_capacity=64,
                 lock_mode=mode, lease_timeout=SIM_LEASE)
     for host in pool.hosts:  # the formatted pool is in memory; every host starts fresh
         host.invalidate(0, pool.size)
@@ -152,7 +153,7 @@ def test_corrupt_grant_line_is_refused():
 
 def _create(path, mode, **options):
     coherence = "hardware" if mode == "atomic" else "none"
-    Pool.create(path, 1 << 20, lock_mode=mode, coherence=coherence, max_nodes=4,
+    Pool.create(path, 1 << 20, lock_mode=mode, coherence=coherence, max_nodes=4, chunk_size=1 << 16,
                 lease_timeout=options.pop("lease_timeout", 0.5), **options)
 
 

@@ -22,7 +22,8 @@ MAX_NODES = 4
 
 @pytest.fixture
 def pool(pool_path):
-    Pool.create(pool_path, 1 << 20, lock_mode="manager", max_nodes=MAX_NODES, lease_timeout=0.5)
+    Pool.create(pool_path, 1 << 20, lock_mode="manager", max_nodes=MAX_NODES, lease_timeout=0.5,
+                chunk_size=1 << 16)
     with Pool.open(pool_path, NODE) as handle:
         yield handle
 
@@ -105,7 +106,8 @@ def test_still_granted_and_release_match_the_reference(pool):
 
 
 def test_uncontended_acquire_takes_the_sticky_grant_natively(pool_path):
-    Pool.create(pool_path, 1 << 20, lock_mode="manager", max_nodes=MAX_NODES, lease_timeout=0.5)
+    Pool.create(pool_path, 1 << 20, lock_mode="manager", max_nodes=MAX_NODES, lease_timeout=0.5,
+                chunk_size=1 << 16)
     with Pool.open(pool_path, NODE, manager=True) as pool:
         lock = pool.lock("alloc")
         with lock(timeout=10):  # the first grant goes through the manager
@@ -126,7 +128,8 @@ def _blocked_acquire(lock, results):
 
 
 def test_a_local_waiter_gets_the_grant_without_pool_writes(pool_path):
-    Pool.create(pool_path, 1 << 20, lock_mode="manager", max_nodes=MAX_NODES, lease_timeout=0.5)
+    Pool.create(pool_path, 1 << 20, lock_mode="manager", max_nodes=MAX_NODES, lease_timeout=0.5,
+                chunk_size=1 << 16)
     with Pool.open(pool_path, NODE, manager=True) as pool, Pool.open(pool_path, NODE) as other:
         lock, waiting = pool.lock("alloc"), other.lock("alloc")
         epoch = lock.acquire(timeout=10)
@@ -206,7 +209,8 @@ def _die_holding(path, ready):
 
 @pytest.mark.multiprocess
 def test_a_holder_killed_after_a_hand_off_is_repaired(pool_path):
-    Pool.create(pool_path, 1 << 20, lock_mode="manager", max_nodes=MAX_NODES, lease_timeout=0.5)
+    Pool.create(pool_path, 1 << 20, lock_mode="manager", max_nodes=MAX_NODES, lease_timeout=0.5,
+                chunk_size=1 << 16)
     context = multiprocessing.get_context("spawn")
     ready = context.Event()
     with Pool.open(pool_path, 0, manager=True) as manager_pool:

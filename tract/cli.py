@@ -78,10 +78,66 @@ def _pool_create(args: argparse.Namespace) -> int:
     from tract.pool import Pool
 
     Pool.create(args.path, _size(args.size), max_nodes=args.max_nodes, lock_mode=args.lock_mode,
-                coherence=args.coherence, flush=args.flush, lease_timeout=args.lease)
-    print(f"created pool {args.path}: {args.size}, {args.max_nodes} nodes, "
-          f"{args.lock_mode} locks, coherence {args.coherence}")
+                coherence=args.coherence, flush=args.flush, lease_timeout=args.lease,
+                chunk_size=_size(args.chunk_size), max_objects=args.max_objects,
+                index_capacity=args.index_capacity)
+    print(f"created pool {args.path}: {args.size}, {args.chunk_size} chunks, {args.max_nodes} "
+          f"nodes, {args.lock_mode} locks, coherence {args.coherence}")
     return 0
+
+
+def _pool_info(args: argparse.Namespace) -> int:
+    from tract.pool import pool_info
+
+    report = pool_info(args.path)
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(f"pool {args.path}: {report['size']} bytes, layout v{report['layout_version']}, "
+          f"uuid {report['uuid']}")
+    print(f"  coherence {report['coherence']}, flush {report['flush']}, locks "
+          f"{report['lock_mode']}, lease {report['lease_timeout']} s")
+    for name, (offset, size) in report["areas"].items():
+        print(f"  {name:<15} offset {offset:>14}  {size:>14} bytes")
+    chunks = report["chunks"]
+    print(f"  chunks: {chunks['total']} x {report['chunk_size']} bytes, {chunks['free']} free, "
+          f"{chunks['taken']} taken; objects {report['objects']} of {report['max_objects']}")
+    for node in report["nodes"]:
+        print(f"  node {node['node']:>3}: {node['state']:<6} epoch {node['epoch']:<4} "
+              f"heartbeat {node['heartbeat']}")
+    manager = report["manager"]
+    print(f"  lock manager: {'none' if manager['node'] is None else 'node ' + str(manager['node'])}"
+          f" (epoch {manager['epoch']})")
+    for lock in report["locks"]:
+        holder = "nobody" if lock["holder"] is None else f"node {lock['holder']}"
+        print(f"  lock {lock['name']!r}: {holder}, epoch {lock['epoch']}")
+    return 0
+
+
+def _pool_destroy(args: argparse.Namespace) -> int:
+    from tract.pool import Pool
+
+    Pool.destroy(args.path)
+    print(f"destroyed pool {args.path} and this host's node-local files")
+    return 0
+
+
+def _pool_fsck(args: argparse.Namespace) -> int:
+    from tract.fsck import fsck
+
+    if args.repair and args.node is None:
+        raise SystemExit("tract: fsck --repair takes the pool's locks as a node: give --node K")
+    report = fsck(args.path, repair=args.repair, node=args.node, watch=not args.no_watch)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        chunks = report["chunks"]
+        print(f"fsck {args.path}: {'clean' if report['ok'] else 'PROBLEMS'}; chunks "
+              + ", ".join(f"{key} {value}" for key, value in chunks.items()))
+        for problem in report["problems"]:
+            fixed = f"  -> {problem['repair']}" if "repair" in problem else ""
+            print(f"  {problem['area']} @ {problem['offset']}: {problem['problem']}{fixed}")
+    return 0 if report["ok"] else 1
 
 
 def _size(text: str) -> int:
@@ -121,17 +177,36 @@ def main(argv: list[str] | None = None) -> int:
     manager.add_argument("--node", type=int, required=True, help="this host's node id")
     manager.set_defaults(handler=_manager)
 
-    pool = commands.add_parser("pool", help="create pools")
+    pool = commands.add_parser("pool", help="create, inspect, check and remove pools")
     pool_commands = pool.add_subparsers(dest="pool_command", required=True)
     create = pool_commands.add_parser("create", help="create a pool file")
     create.add_argument("path")
     create.add_argument("--size", required=True, help="bytes, or with K/M/G/T")
+    create.add_argument("--chunk-size", default="2M", help="allocation chunk (power of two)")
     create.add_argument("--max-nodes", type=int, default=16)
+    create.add_argument("--max-objects", type=int, default=256, help="object directory records")
+    create.add_argument("--index-capacity", type=int, default=None,
+                        help="prefix-index entries (power of two; default: one per 64 KiB)")
     create.add_argument("--lock-mode", choices=("manager", "bakery", "atomic"), default="manager")
     create.add_argument("--coherence", choices=("none", "hardware"), default="none")
     create.add_argument("--flush", choices=("clflush", "clflushopt", "clwb"), default=None)
     create.add_argument("--lease", type=float, default=2.0, help="lease timeout, seconds")
     create.set_defaults(handler=_pool_create)
+    info_pool = pool_commands.add_parser("info", help="layout, nodes, occupancy, lock holders")
+    info_pool.add_argument("path", help="pool file or /dev/daxX.Y")
+    info_pool.add_argument("--json", action="store_true", help="print one JSON object")
+    info_pool.set_defaults(handler=_pool_info)
+    destroy = pool_commands.add_parser("destroy", help="remove a pool and its node-local files")
+    destroy.add_argument("path")
+    destroy.set_defaults(handler=_pool_destroy)
+    check = pool_commands.add_parser("fsck", help="check a pool's metadata; --repair fixes it")
+    check.add_argument("path", help="pool file or /dev/daxX.Y")
+    check.add_argument("--repair", action="store_true", help="fix what can be fixed")
+    check.add_argument("--node", type=int, default=None, help="node id to act as (--repair)")
+    check.add_argument("--no-watch", action="store_true",
+                       help="judge leases at once instead of watching heartbeats for a lease")
+    check.add_argument("--json", action="store_true", help="print one JSON object")
+    check.set_defaults(handler=_pool_fsck)
 
     demo = commands.add_parser("demo", help="show a pool shared by two processes")
     demo.add_argument("--quick", action="store_true", help="a smaller run")

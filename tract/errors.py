@@ -6,7 +6,7 @@ also derive from the matching builtin (``IndexError``, ``ValueError``,
 """
 
 __all__ = ["TractError", "BoundsError", "ConfigError", "CorruptionError", "DaxError", "LeaseLost",
-           "LockTimeout"]
+           "LockTimeout", "PoolFull"]
 
 
 class TractError(Exception):
@@ -40,3 +40,8 @@ class LockTimeout(TractError, TimeoutError):
 class LeaseLost(TractError):
     """The caller's grant on a lock was revoked (its lease lapsed, or another
     node took the lock over): work done under it must not be published."""
+
+
+class PoolFull(TractError, MemoryError):
+    """No free space of the requested size, even after reclaiming what dead
+    owners left; the message says how much was asked and how much is free."""

@@ -1,18 +1,28 @@
-"""A pool: header, node table, lock area (this issue's minimal layout; the
-pool issue adds the allocator, object directory and index areas).
+"""A pool: layout and lifecycle.
 
-Layout (every area line-aligned, in this order, none overlapping):
+Layout (every area line-aligned, in this order, none overlapping; all of it
+follows from the creation parameters, so `Header` recomputes it and refuses a
+header that disagrees):
 
     0        header      magic, layout version, uuid, size, limits, modes,
                          area offsets, hash key; written once at creation
     4096     node table  one line per node (`tract.lease`)
              lock names  32 bytes per lock, written once at creation
              lock area   `tract.lock.LockLayout`
-             heap        the rest (unused until the allocator lands)
+             allocator   `tract.alloc.AllocLayout`: cursor line, chunk bitmap,
+                         per-chunk owner records, remote-free rings
+             objects     `tract.objects`: the directory of named roots
+             index       reserved for the prefix index: 64-byte entries, then
+                         per node one 8-byte word per entry (pins, stamps)
+             heap        chunk-aligned; ``nchunks`` chunks of ``chunk_size``
+
+Node-local state (tier-1 mutexes, cohort words, the node's live processes and
+its slab heap) lives in one file per node in /dev/shm (`_NodeLocal`), never in
+the pool.
 
 Rules relied on (DESIGN.md): R1 — areas are named by offset; R3 — the
-header is written, flushed and fenced before anyone can open the pool;
-R5 — every field read from the header is range-checked at open, and a
+header is written, flushed and fenced before anyone can open the pool (magic
+last); R5 — every field read from the header is range-checked at open, and a
 foreign magic, another layout version or areas that overlap or leave the
 pool are refused with what was expected and what was found; R6 — every
 process beats its node's heartbeat from a daemon thread.
@@ -30,45 +40,77 @@ import uuid
 from tract import platform
 from tract._native._localmutex import LocalMutex
 from tract._native._lockfast import SLOT_BYTES, ManagerFastPath
+from tract._native._nodeheap import NodeHeap, heap_bytes
+from tract.alloc import AllocLayout, Allocator
 from tract.errors import ConfigError, CorruptionError
-from tract.lease import LINE, Clock, NodeTable
+from tract.lease import ALIVE, LINE, Clock, NodeTable
 from tract.lock import COHORT_PASSES, LOCK_MODES, Lock, LockLayout, LockManager, LockSpace
+from tract.objects import RECORD_BYTES, ObjectStore
 from tract.region import create_region, open_region
 
 __all__ = ["DEFAULT_LOCKS", "Pool", "format_pool"]
 
 MAGIC = int.from_bytes(b"TRACTPL\x01", "little")
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
 HEADER_BYTES = 4096
 NAME_BYTES = 32
+INDEX_ENTRY_BYTES = 64
+INDEX_NODE_WORD = 8  # per node, per index entry: its pin count and access stamp
 DEFAULT_LOCKS = ("alloc", "objects", "index")
+DEFAULT_CHUNK = 2 << 20
+SLAB_MIN_BLOCK = 4096  # the smallest slab block: objects up to 4 KiB take one
+MEMBERS = 512  # processes of one node that may have a pool open at once
+MAX_NODES = 256
 _NAME = re.compile(r"[a-z0-9][a-z0-9_.-]{0,30}$")
-_LOCAL_DIR = "/dev/shm"  # node-local: tier-1 mutexes never live in the pool
+_LOCAL_DIR = "/dev/shm"  # node-local: tier-1 mutexes and node heaps never live in the pool
 
 # header field offsets
 _F = dict(magic=0, version=8, uuid=16, size=32, max_nodes=40, max_locks=48, lock_mode=56,
           coherence=64, flush=72, lease_us=80, node_table=88, names=96, lock_area=104,
-          lock_area_size=112, heap=120, hash_key=128, created_ns=144)
+          lock_area_size=112, heap=120, hash_key=128, created_ns=144, chunk_size=152,
+          nchunks=160, alloc=168, objects=176, max_objects=184, index=192, index_capacity=200,
+          index_nodes=208)
+# the fields that follow from the creation parameters (checked at open)
+_DERIVED = ("node_table", "names", "lock_area", "lock_area_size", "alloc", "objects", "index",
+            "index_nodes", "heap", "nchunks")
 
 
 def _round_up(value: int, unit: int) -> int:
     return -(-value // unit) * unit
 
 
-def _areas(max_nodes: int, max_locks: int) -> dict[str, int]:
+def _areas(size: int, max_nodes: int, max_locks: int, chunk_size: int, max_objects: int,
+           index_capacity: int) -> dict[str, int]:
+    """Every area's offset for these parameters.  The allocator's metadata
+    is sized for every chunk the pool could hold, so the heap start (and the
+    chunk count) follow in one pass."""
     node_table = HEADER_BYTES
     names = node_table + max_nodes * LINE
     lock_area = _round_up(names + max_locks * NAME_BYTES, LINE)
-    size = LockLayout(lock_area, max_nodes, max_locks).nbytes
-    return dict(node_table=node_table, names=names, lock_area=lock_area, lock_area_size=size,
-                heap=_round_up(lock_area + size, 4096))
+    lock_area_size = LockLayout(lock_area, max_nodes, max_locks).nbytes
+    alloc = lock_area + lock_area_size
+    objects = alloc + AllocLayout(alloc, size // chunk_size, max_nodes).nbytes
+    index = objects + max_objects * RECORD_BYTES
+    index_nodes = index + index_capacity * INDEX_ENTRY_BYTES
+    end = index_nodes + max_nodes * _round_up(index_capacity * INDEX_NODE_WORD, LINE)
+    heap = _round_up(end, chunk_size)
+    return dict(node_table=node_table, names=names, lock_area=lock_area,
+                lock_area_size=lock_area_size, alloc=alloc, objects=objects, index=index,
+                index_nodes=index_nodes, heap=heap, nchunks=max(0, (size - heap) // chunk_size))
+
+
+def default_index_capacity(size: int) -> int:
+    """One entry per 64 KiB of pool, a power of two in 64..2**24."""
+    return min(1 << 24, max(64, 1 << max(0, (size // 65536).bit_length() - 1)))
 
 
 def format_pool(region, *, max_nodes: int = 16, locks=DEFAULT_LOCKS, max_locks: int = 16,
-                lock_mode: str = "manager", lease_timeout: float = 2.0) -> None:
+                lock_mode: str = "manager", lease_timeout: float = 2.0,
+                chunk_size: int = DEFAULT_CHUNK, max_objects: int = 256,
+                index_capacity: int | None = None) -> None:
     """Write a fresh pool header and zeroed metadata into ``region``."""
-    if not 1 <= max_nodes <= 4096:
-        raise ConfigError(f"max_nodes must be in 1..4096, got {max_nodes}")
+    if not 1 <= max_nodes <= MAX_NODES:
+        raise ConfigError(f"max_nodes must be in 1..{MAX_NODES}, got {max_nodes}")
     if not 1 <= max_locks <= 1024 or len(locks) > max_locks:
         raise ConfigError(f"max_locks must be in 1..1024 and hold the {len(locks)} lock "
                           f"names, got {max_locks}")
@@ -79,21 +121,36 @@ def format_pool(region, *, max_nodes: int = 16, locks=DEFAULT_LOCKS, max_locks: 
         raise ConfigError("lock mode 'atomic' needs coherence='hardware'")
     if not 0 < lease_timeout < 3600:
         raise ConfigError(f"lease_timeout must be in (0, 3600) seconds, got {lease_timeout}")
+    if chunk_size < 8192 or chunk_size & (chunk_size - 1) or chunk_size > 1 << 30:
+        raise ConfigError(f"chunk_size must be a power of two in 8 KiB..1 GiB, got {chunk_size}")
+    if not 1 <= max_objects <= 1 << 20:
+        raise ConfigError(f"max_objects must be in 1..{1 << 20}, got {max_objects}")
+    if index_capacity is None:
+        index_capacity = default_index_capacity(region.size)
+    if not 1 <= index_capacity <= 1 << 28 or index_capacity & (index_capacity - 1):
+        raise ConfigError(f"index_capacity must be a power of two in 1..2**28, got "
+                          f"{index_capacity}")
     for name in locks:
         if not _NAME.match(name):
             raise ConfigError(f"lock name {name!r} must match {_NAME.pattern}")
     if len(set(locks)) != len(locks):
         raise ConfigError(f"lock names repeat: {list(locks)}")
-    areas = _areas(max_nodes, max_locks)
-    if areas["heap"] > region.size:
-        raise ConfigError(f"a pool for {max_nodes} nodes and {max_locks} locks needs at least "
-                          f"{areas['heap']} bytes, got {region.size}")
+    for name in ("alloc", "objects"):
+        if name not in locks:
+            raise ConfigError(f"the pool needs a lock named {name!r}; locks are {list(locks)}")
+    areas = _areas(region.size, max_nodes, max_locks, chunk_size, max_objects, index_capacity)
+    if areas["nchunks"] < 1:
+        raise ConfigError(f"a pool for {max_nodes} nodes, {max_locks} locks, {max_objects} "
+                          f"objects and {index_capacity} index entries, with {chunk_size}-byte "
+                          f"chunks, needs at least {areas['heap'] + chunk_size} bytes, got "
+                          f"{region.size}")
     region.fill(0, areas["heap"], 0)
     fields = dict(areas, magic=0, version=LAYOUT_VERSION, size=region.size, max_nodes=max_nodes,
                   max_locks=max_locks, lock_mode=LOCK_MODES.index(lock_mode),
                   coherence=platform.COHERENCE_MODES.index(control.coherence),
                   flush=_flush_code(control), lease_us=int(lease_timeout * 1e6),
-                  created_ns=time.time_ns())
+                  created_ns=time.time_ns(), chunk_size=chunk_size, max_objects=max_objects,
+                  index_capacity=index_capacity)
     for field, value in fields.items():
         region.store_u64(_F[field], value)
     region.copy_in(_F["uuid"], uuid.uuid4().bytes, nontemporal=False)
@@ -116,11 +173,14 @@ class Header:
     """The header's fields, read fresh and checked (R5)."""
 
     def __init__(self, region):
+        where = getattr(region, "path", "<pool>")
+        if region.size < HEADER_BYTES:
+            raise CorruptionError(f"{where!r} is {region.size} bytes, smaller than a pool "
+                                  f"header ({HEADER_BYTES}): not a tract pool, or truncated")
         region.invalidate(0, HEADER_BYTES)
         region.fence()
         read = {field: region.load_u64(offset) for field, offset in _F.items()
                 if field not in ("uuid", "hash_key")}
-        where = getattr(region, "path", "<pool>")
         if read["magic"] != MAGIC:
             raise CorruptionError(f"{where!r} is not a tract pool: magic {read['magic']:#x} at "
                                   f"offset 0, expected {MAGIC:#x}")
@@ -129,20 +189,26 @@ class Header:
                                   f"tract reads version {LAYOUT_VERSION}")
         if read["size"] != region.size:
             raise CorruptionError(f"{where!r} header says {read['size']} bytes, the mapping has "
-                                  f"{region.size}")
-        for field, low, high, limit in (("max_nodes", 1, 4096, None), ("max_locks", 1, 1024, None),
-                                        ("lock_mode", 0, len(LOCK_MODES) - 1, None),
-                                        ("coherence", 0, len(platform.COHERENCE_MODES) - 1, None),
-                                        ("lease_us", 1, 3600 * 10**6, None)):
+                                  f"{region.size} (truncated or grown?)")
+        for field, low, high in (("max_nodes", 1, MAX_NODES), ("max_locks", 1, 1024),
+                                 ("lock_mode", 0, len(LOCK_MODES) - 1),
+                                 ("coherence", 0, len(platform.COHERENCE_MODES) - 1),
+                                 ("lease_us", 1, 3600 * 10**6), ("chunk_size", 8192, 1 << 30),
+                                 ("max_objects", 1, 1 << 20), ("index_capacity", 1, 1 << 28)):
             if not low <= read[field] <= high:
                 raise CorruptionError(f"{where!r} header field {field} at offset {_F[field]} is "
                                       f"{read[field]}, expected {low}..{high}")
-        expected = _areas(read["max_nodes"], read["max_locks"])
-        for field, value in expected.items():
-            if read[field] != value:
+        for field in ("chunk_size", "index_capacity"):
+            if read[field] & (read[field] - 1):
                 raise CorruptionError(f"{where!r} header field {field} at offset {_F[field]} is "
-                                      f"{read[field]}, expected {value} for {read['max_nodes']} "
-                                      f"nodes and {read['max_locks']} locks")
+                                      f"{read[field]}, expected a power of two")
+        expected = _areas(read["size"], read["max_nodes"], read["max_locks"],
+                          read["chunk_size"], read["max_objects"], read["index_capacity"])
+        for field in _DERIVED:
+            if read[field] != expected[field]:
+                raise CorruptionError(f"{where!r} header field {field} at offset {_F[field]} is "
+                                      f"{read[field]}, expected {expected[field]} for this "
+                                      f"pool's size and limits (areas overlap or leave the pool)")
         if expected["heap"] > region.size:
             raise CorruptionError(f"{where!r}: its areas end at {expected['heap']}, past the pool "
                                   f"size {region.size}")
@@ -152,6 +218,7 @@ class Header:
         self.lock_mode_name = LOCK_MODES[self.lock_mode]
         self.coherence_name = platform.COHERENCE_MODES[self.coherence]
         self.lease_timeout = self.lease_us / 1e6
+        self.heap_end = self.heap + self.nchunks * self.chunk_size
         self.lock_names = []
         for index in range(self.max_locks):
             raw = region.read(self.names + index * NAME_BYTES, NAME_BYTES).rstrip(b"\0")
@@ -163,27 +230,57 @@ class Header:
                                       f"{self.names + index * NAME_BYTES} is {raw!r}")
             self.lock_names.append((index, name))
 
+    def areas(self) -> dict[str, tuple[int, int]]:
+        """Name -> (offset, bytes) of every area, in pool order."""
+        bounds = [("header", 0), ("node table", self.node_table), ("lock names", self.names),
+                  ("lock area", self.lock_area), ("allocator", self.alloc),
+                  ("objects", self.objects), ("index", self.index),
+                  ("index per node", self.index_nodes), ("heap", self.heap)]
+        ends = [offset for _, offset in bounds[1:]] + [self.heap_end]
+        return {name: (offset, end - offset) for (name, offset), end in zip(bounds, ends)}
+
 
 class Pool:
     """One node's handle on a pool: `Pool.create`, then `Pool.open` per process."""
 
-    def __init__(self, region, node: int, *, clock: Clock | None = None, manager: bool = False,
-                 heartbeat: bool = True, local_locks: bool = True):
+    def __init__(self, region, node: int | None, *, clock: Clock | None = None,
+                 manager: bool = False, heartbeat: bool = True, local_locks: bool = True):
+        """``local_locks=False``: no node-local file (no tier-1 mutexes, no
+        slab heap): this process is its node's only one, as under the
+        simulator."""
         self.region = region
         self.header = header = Header(region)
-        if not 0 <= node < header.max_nodes:
+        if node is None:  # an observer (`Pool.observe`): joins nothing, takes no locks
+            heartbeat = manager = local_locks = False
+        elif not 0 <= node < header.max_nodes:
             raise ConfigError(f"node {node} is beyond this pool's max_nodes "
                               f"({header.max_nodes}): expected 0..{header.max_nodes - 1}")
         self.node = node
         self.clock = clock or Clock()
         self.nodes = NodeTable(region, header.node_table, header.max_nodes)
         self.layout = LockLayout(header.lock_area, header.max_nodes, header.max_locks)
+        self.alloc_layout = AllocLayout(header.alloc, header.size // header.chunk_size,
+                                        header.max_nodes)
         self.space = self._space()
-        self.epoch = self._join()
+        self._local = _NodeLocal(header, node) if local_locks else None
+        try:
+            first = self._local.first if self._local is not None else None
+            self.epoch = self._join(first) if node is not None else 0
+            heap = None
+            if self._local is not None:
+                heap = self._local.heap
+                if heap.epoch != self.epoch:  # a new incarnation: its slabs went with the last
+                    heap.format(self.epoch)
+        finally:
+            if self._local is not None:
+                self._local.unlock()
         self._names = {name: index for index, name in header.lock_names}
         self._locks: dict[str, Lock] = {}
         self._fast_paths: dict[int, ManagerFastPath] = {}
-        self._local = _NodeLocal(header.uuid, node, header.max_locks) if local_locks else None
+        self.allocator = Allocator(self, self.alloc_layout, heap)
+        self.objects = ObjectStore(self, header.objects, header.max_objects,
+                                   (header.heap, header.heap_end))
+        self.allocator.add_referrer(lambda: [(r.offset, r.size) for r in self.objects.list()])
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         if heartbeat:
@@ -223,9 +320,20 @@ class Pool:
                 region.close()
             raise
 
+    @classmethod
+    def observe(cls, path: str) -> Pool:
+        """Map a pool without joining it (no node id, no locks, no writes):
+        what `tract pool info` and a read-only fsck use."""
+        region = open_region(path)
+        try:
+            return cls(region, None)
+        except BaseException:
+            region.close()
+            raise
+
     @staticmethod
     def destroy(path: str) -> None:
-        """Remove a pool file and the node-local lock files of every node."""
+        """Remove a pool file and the node-local files of every node on this host."""
         try:
             region = open_region(path)
             try:
@@ -236,19 +344,27 @@ class Pool:
             pool_uuid = None  # not a readable pool: remove the file alone
         if pool_uuid is not None:
             for name in os.listdir(_LOCAL_DIR):
-                if name.startswith(f"tract-{pool_uuid.hex}-node") and name.endswith(".locks"):
+                if name.startswith(f"tract-{pool_uuid.hex}-node") and name.endswith(".local"):
                     os.unlink(os.path.join(_LOCAL_DIR, name))
         os.unlink(path)
 
     def _space(self) -> LockSpace:
-        return LockSpace(self.region, self.layout, self.nodes, self.node,
+        # an observer's space only judges leases and backs off: it never
+        # beats or takes a lock, so the node it names is never written
+        node = 0 if self.node is None else self.node
+        return LockSpace(self.region, self.layout, self.nodes, node,
                          self.header.lease_timeout, self.clock)
 
-    def _join(self) -> int:
+    def _join(self, first: bool | None) -> int:
+        """Join the node table.  ``first``: no other process of this node
+        is alive (from the node-local member list), so this is a new
+        incarnation; None without a node-local file: judge by the pid the
+        node table recorded."""
         heartbeat, epoch, state = self.nodes.read(self.node)
-        pid = self.region.load_u64(self.nodes.line(self.node) + 24)
-        stale = state == 1 and not _pid_alive(pid)
-        joined = self.nodes.join(self.node, stale)
+        if first is None:
+            pid = self.region.load_u64(self.nodes.line(self.node) + 24)
+            first = state == ALIVE and not _pid_alive(pid)
+        joined = self.nodes.join(self.node, first)
         if joined != epoch:  # a new incarnation: drop claims the last one left
             for lock in range(self.header.max_locks + 1):
                 request = self.layout.request_line(lock, self.node)
@@ -262,6 +378,26 @@ class Pool:
                 self.region.store_u64(ticket + 8, 0)
                 self.space.publish(ticket)
         return joined
+
+    def nodes_on_this_host(self) -> set[int]:
+        """Nodes of this pool with a node-local file here: their pids are
+        this host's (the emulated pool keeps every node on one host)."""
+        prefix = f"tract-{self.header.uuid.hex}-node"
+        found = set()
+        for name in os.listdir(_LOCAL_DIR):
+            if name.startswith(prefix) and name.endswith(".local"):
+                number = name[len(prefix):-len(".local")]
+                if number.isdigit() and int(number) < self.header.max_nodes:
+                    found.add(int(number))
+        return found
+
+    def alloc(self, size: int, timeout: float | None = None) -> int:
+        """Pool offset of ``size`` fresh bytes (`tract.alloc.Allocator.alloc`)."""
+        return self.allocator.alloc(size, timeout)
+
+    def free(self, offset: int, timeout: float | None = None) -> None:
+        """Give back what `alloc` returned, from any node."""
+        self.allocator.free(offset, timeout)
 
     def _start(self, target, name: str) -> None:
         thread = threading.Thread(target=target, name=f"tract-{name}-node{self.node}",
@@ -284,6 +420,7 @@ class Pool:
         seen: dict[int, tuple[int, int, int]] = {}
         while not self._stop.wait(self.header.lease_timeout / 4):
             nodes.beat(self.node)
+            self.allocator.drain()
             if cohorting:
                 for index in self._names.values():
                     words = self._fast_path(index).slot_words()
@@ -301,6 +438,9 @@ class Pool:
         ``with pool.lock(name)(timeout=2.0):``."""
         lock = self._locks.get(name)
         if lock is None:
+            if self.node is None:
+                raise ConfigError("a pool opened with Pool.observe takes no locks; open it "
+                                  "with Pool.open(path, node)")
             if name not in self._names:
                 raise ConfigError(f"pool has no lock named {name!r}; it has "
                                   f"{sorted(self._names)}")
@@ -325,6 +465,7 @@ class Pool:
         self._threads.clear()
         self._locks.clear()
         self._fast_paths.clear()
+        self.allocator.heap = None
         if self._local is not None:
             self._local.close()
         self.region.close()
@@ -349,25 +490,69 @@ def _pid_alive(pid: int) -> bool:
 
 
 class _NodeLocal:
-    """The node-local file of tier-1 mutexes, one per lock, made once per
-    node under an flock so concurrent first openers agree."""
+    """A node's file in /dev/shm: per lock a slot (tier-1 mutex, cohort
+    words), the pids of the node's processes that have the pool open, and
+    the node's slab heap.  Made and joined under an flock, which the opener
+    holds until `unlock` (after it joined the node table and checked the
+    heap's incarnation)."""
 
-    def __init__(self, pool_uuid, node: int, max_locks: int):
-        path = os.path.join(_LOCAL_DIR, f"tract-{pool_uuid.hex}-node{node}.locks")
-        size = _round_up((max_locks + 1) * SLOT_BYTES, 4096)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    @staticmethod
+    def path_of(header: Header, node: int) -> str:
+        return os.path.join(_LOCAL_DIR, f"tract-{header.uuid.hex}-node{node}.local")
+
+    @staticmethod
+    def shape(header: Header) -> tuple[int, int, int]:
+        """(members offset, heap offset, file size): one slot per lock and
+        one for the manager, the member pids, the slab heap."""
+        members = _round_up((header.max_locks + 1) * SLOT_BYTES, 4096)
+        heap = members + MEMBERS * 8
+        return members, heap, heap + heap_bytes(header.nchunks, header.chunk_size,
+                                                SLAB_MIN_BLOCK)
+
+    def __init__(self, header: Header, node: int):
+        self.path = self.path_of(header, node)
+        self.members, self.heap_offset, size = self.shape(header)
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            fresh = os.fstat(fd).st_size == 0
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+            fresh = os.fstat(self._fd).st_size == 0
             if fresh:
-                os.ftruncate(fd, size)
-            self.region = open_region(path, coherence="hardware")
+                os.ftruncate(self._fd, size)
+            self.region = open_region(self.path, coherence="hardware", size=size)
             if fresh:
-                for index in range(max_locks + 1):  # one per lock, one for the manager
+                for index in range(header.max_locks + 1):
                     LocalMutex(self.region, index * SLOT_BYTES).initialize()
-        finally:
-            os.close(fd)  # releases the flock
-        self.path = path
+                LocalMutex(self.region, self.heap_offset).initialize()
+            self.heap = NodeHeap(self.region, LocalMutex(self.region, self.heap_offset),
+                                 self.heap_offset, header.nchunks, header.chunk_size,
+                                 SLAB_MIN_BLOCK, header.heap)
+            self.first = not self._enter()
+        except BaseException:
+            os.close(self._fd)
+            raise
+
+    def _enter(self) -> bool:
+        """Add this process to the members (dropping dead ones); whether
+        another live process of the node was there."""
+        region, pid, others, free = self.region, os.getpid(), False, None
+        for index in range(MEMBERS):
+            slot = self.members + index * 8
+            member = region.load_u64(slot)
+            if member and not _pid_alive(member):
+                region.store_u64(slot, member := 0)
+            if member:
+                others = True
+            elif free is None:
+                free = slot
+        if free is None:
+            raise ConfigError(f"{self.path}: {MEMBERS} processes of this node already have the "
+                              f"pool open")
+        region.store_u64(free, pid)
+        self._slot = free
+        return others
+
+    def unlock(self) -> None:
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
 
     def mutex(self, index: int) -> LocalMutex:
         return LocalMutex(self.region, index * SLOT_BYTES)
@@ -381,4 +566,51 @@ class _NodeLocal:
                                COHORT_PASSES)
 
     def close(self) -> None:
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        try:
+            if self.region.load_u64(self._slot) == os.getpid():
+                self.region.store_u64(self._slot, 0)
+        finally:
+            os.close(self._fd)
         self.region.close()
+
+
+def pool_info(path: str, watch: float = 0.5) -> dict:
+    """What `tract pool info` shows: layout, nodes (is each heartbeat moving
+    over ``watch`` seconds), occupancy and lock holders.  Writes nothing."""
+    from tract._kernels.bitmap import count_free
+    from tract.lease import ABSENT
+    from tract.lock import _TIER2, _read_manager
+
+    pool = Pool.observe(path)
+    try:
+        header = pool.header
+        before = [pool.nodes.read(node) for node in range(header.max_nodes)]
+        pool.clock.sleep(min(watch, header.lease_timeout))
+        nodes = []
+        for node, (beat, epoch, state) in enumerate(before):
+            now_beat, now_epoch, now_state = pool.nodes.read(node)
+            if now_state == ABSENT:
+                continue
+            moving = now_beat != beat or now_epoch != epoch
+            nodes.append(dict(node=node, state=("alive" if now_state == ALIVE else "left"),
+                              epoch=now_epoch, heartbeat=("beating" if moving else
+                                                          f"still for >= {watch} s")))
+        free = count_free(pool.allocator._bitmap(), header.nchunks)
+        pool.space.fresh(pool.layout.manager_line)
+        manager, manager_epoch = _read_manager(pool.space)
+        locks = []
+        for index, name in header.lock_names:
+            holder, epoch = _TIER2[header.lock_mode_name](pool.space, index, name).holder()
+            locks.append(dict(name=name, holder=holder, epoch=epoch))
+        flush = (platform.FLUSH_CHOICES[header.flush]
+                 if header.flush < len(platform.FLUSH_CHOICES) else "other")
+        return dict(size=header.size, layout_version=header.version, uuid=str(header.uuid),
+                    coherence=header.coherence_name, flush=flush, lock_mode=header.lock_mode_name,
+                    lease_timeout=header.lease_timeout, chunk_size=header.chunk_size,
+                    areas=header.areas(), max_objects=header.max_objects,
+                    objects=len(pool.objects.list()), index_capacity=header.index_capacity,
+                    chunks=dict(total=header.nchunks, free=free, taken=header.nchunks - free),
+                    nodes=nodes, manager=dict(node=manager, epoch=manager_epoch), locks=locks)
+    finally:
+        pool.close()

@@ -41,6 +41,7 @@ def _pool_path() -> str:
 def _create(mode: str) -> str:
     path = _pool_path()
     Pool.create(path, 1 << 20, lock_mode=mode, max_nodes=MAX_NODES, lease_timeout=2.0,
+                chunk_size=1 << 16,
                 coherence="hardware" if mode == "atomic" else "none")
     return path
 

@@ -1,0 +1,16 @@
+"""The one place kernel options are set (STYLE habit 10).
+
+Kernels here take arrays, never raw addresses, so caching them to disk is
+safe; ``TRACT_NUMBA_CACHE=0`` turns it off (read-only installs).
+"""
+
+import os
+
+import numba
+
+CACHE = os.environ.get("TRACT_NUMBA_CACHE", "1") != "0"
+
+
+def kernel(function):
+    """Compile ``function`` as a tract kernel: nopython, no GIL, cached."""
+    return numba.njit(cache=CACHE, nogil=True)(function)

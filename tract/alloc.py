@@ -1,0 +1,489 @@
+"""The shared allocator: a global chunk bitmap, per-chunk owners, node heaps.
+
+The heap is ``nchunks`` chunks of ``chunk_size`` bytes.  Objects of more than
+half a chunk take whole chunks (an *extent*: a run of chunks) from the global
+path; smaller objects come from the node's slab heap
+(`tract._native._nodeheap`, node-local memory), whose slabs are chunks taken
+from the global path, so the common alloc and free touch no pool memory.
+
+Global path (every step under the pool's ``alloc`` lock):
+
+- the cursor line (next-fit position), the bitmap (bit set = chunk taken) and
+  the owner records are written only by the lock holder (R2); the holder
+  reads them after invalidating them (R4: the last holder was another host);
+- alloc: find a run with the bitmap kernel (`tract._kernels.bitmap`), check
+  the lock's epoch (fencing), write the owner records (node, epoch, pid,
+  kind, run), flush, fence, then set the bits, flush, fence (R3): a crash
+  between the two leaves owner records on free chunks, which `fsck` clears;
+- free (from any node): check the owner records (R5: a head record whose run
+  fits, tails pointing at it), clear the bits, flush, fence, then clear the
+  records;
+- reclaim (when a run is not found, and in `fsck --repair`): chunks whose
+  owner is dead — a node epoch that is not the node's current one, a node
+  that left or whose lease lapsed (R6), or, for extents of a live node on
+  this host, a process that is gone — and that nothing references (the
+  object directory; the index later) are freed.  A slab chunk is reclaimed
+  only with its node.
+
+A block of another node's slab is freed through a *remote-free ring* from the
+freeing node to the slab's node (one writer per line: the sender writes the
+slots and its head, the receiver its tail), drained by the receiver on its
+next slow path and from its heartbeat thread.  A node that is gone drains
+nothing: its slabs return with its chunks.
+
+Rules relied on (DESIGN.md): R2, R3, R4 as above; R5 — cursor, owner records
+and ring entries are range-checked, a bad one is a `CorruptionError` naming
+the structure and offset; R6 — owners carry (node, epoch), reclaimed once
+dead, and the lock's epoch is checked before any allocation is published.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import numpy as np
+
+from tract._kernels import bitmap
+from tract.errors import CorruptionError, PoolFull
+from tract.lease import ALIVE, LINE
+
+__all__ = ["AllocLayout", "Allocator", "FreeRing", "KINDS"]
+
+OWNER_BYTES = 32
+RING_SLOTS = 32
+BITS_PER_LINE = LINE * 8
+
+# owner record kinds
+FREE, SLAB, HEAD, TAIL = 0, 1, 2, 3
+KINDS = ("free", "slab", "extent", "extent-tail")
+
+
+@dataclasses.dataclass(frozen=True)
+class AllocLayout:
+    """Where the allocator's metadata lies, from ``offset``: sized for
+    ``capacity`` chunks (the pool size over the chunk size; the heap holds
+    fewer, after the metadata)."""
+
+    offset: int
+    capacity: int
+    max_nodes: int
+
+    @property
+    def cursor_line(self) -> int:
+        return self.offset
+
+    @property
+    def bitmap(self) -> int:
+        return self.offset + LINE
+
+    @property
+    def bitmap_bytes(self) -> int:
+        return -(-self.capacity // BITS_PER_LINE) * LINE
+
+    @property
+    def owners(self) -> int:
+        return self.bitmap + self.bitmap_bytes
+
+    def owner(self, chunk: int) -> int:
+        return self.owners + chunk * OWNER_BYTES
+
+    @property
+    def rings(self) -> int:
+        return self.owners + -(-self.capacity * OWNER_BYTES // LINE) * LINE
+
+    @property
+    def ring_bytes(self) -> int:
+        return 2 * LINE + RING_SLOTS * 8
+
+    def ring(self, sender: int, receiver: int) -> int:
+        return self.rings + (sender * self.max_nodes + receiver) * self.ring_bytes
+
+    @property
+    def nbytes(self) -> int:
+        return self.rings + self.max_nodes ** 2 * self.ring_bytes - self.offset
+
+
+class FreeRing:
+    """The remote-free ring from ``sender`` to ``receiver``: slots and head
+    written by the sender, tail by the receiver; counters only grow."""
+
+    def __init__(self, region, layout: AllocLayout, sender: int, receiver: int):
+        self.region = region
+        base = layout.ring(sender, receiver)
+        self.head_line, self.slots, self.tail_line = base, base + LINE, base + LINE + RING_SLOTS * 8
+        self.where = f"free ring {sender}->{receiver} at offset {base}"
+
+    def _counters(self) -> tuple[int, int]:
+        self.region.invalidate(self.head_line, LINE)
+        self.region.invalidate(self.tail_line, LINE)
+        self.region.fence()
+        head, tail = self.region.load_u64(self.head_line), self.region.load_u64(self.tail_line)
+        if not 0 <= head - tail <= RING_SLOTS:
+            raise CorruptionError(f"{self.where}: head {head}, tail {tail}")
+        return head, tail
+
+    def push(self, offset: int) -> bool:
+        """Queue ``offset``; False when the ring is full."""
+        head, tail = self._counters()
+        if head - tail == RING_SLOTS:
+            return False
+        slot = self.slots + (head % RING_SLOTS) * 8
+        self.region.store_u64(slot, offset)
+        self.region.flush(slot, 8)
+        self.region.fence()  # the slot is in memory before the head says so (R3)
+        self.region.store_u64(self.head_line, head + 1)
+        self.region.flush(self.head_line, LINE)
+        self.region.fence()
+        return True
+
+    def drain(self) -> list[int]:
+        """Take every queued offset (receiver side)."""
+        head, tail = self._counters()
+        if head == tail:
+            return []
+        self.region.invalidate(self.slots, RING_SLOTS * 8)
+        self.region.fence()
+        offsets = [self.region.load_u64(self.slots + (seq % RING_SLOTS) * 8)
+                   for seq in range(tail, head)]
+        self.region.store_u64(self.tail_line, head)
+        self.region.flush(self.tail_line, LINE)
+        self.region.fence()
+        return offsets
+
+
+@dataclasses.dataclass(frozen=True)
+class Owner:
+    """One chunk's owner record."""
+
+    node: int | None
+    kind: int
+    pid: int
+    epoch: int
+    run: int  # head: chunks in the extent; tail: the head's chunk; slab: 1
+
+
+class Allocator:
+    """One node's allocator over a pool (`Pool.alloc` / `Pool.free`)."""
+
+    def __init__(self, pool, layout: AllocLayout, heap=None):
+        self.pool = pool
+        self.region = pool.region
+        self.layout = layout
+        self.heap = heap  # the node's slab heap, or None (then every object takes chunks)
+        self.base = pool.header.heap
+        self.chunk_size = pool.header.chunk_size
+        self.nchunks = pool.header.nchunks
+        self.node = pool.node
+        self.pid = os.getpid()
+        self._referrers = []  # callables returning (offset, size) ranges in use
+
+    # ------------------------------------------------------------ records
+
+    def chunk_of(self, offset: int) -> int:
+        relative = offset - self.base
+        if not 0 <= relative < self.nchunks * self.chunk_size:
+            raise ValueError(f"offset {offset} is outside the heap "
+                             f"[{self.base}, {self.base + self.nchunks * self.chunk_size})")
+        return relative // self.chunk_size
+
+    def offset_of(self, chunk: int) -> int:
+        return self.base + chunk * self.chunk_size
+
+    def owner(self, chunk: int) -> Owner:
+        """Chunk ``chunk``'s owner record as this host sees it now (R5)."""
+        line = self.layout.owner(chunk)
+        word, epoch, run = self.region.load_u64s(line, 3)
+        node_field, kind, pid = word & 0xFFFF, (word >> 16) & 0xFF, word >> 32
+        where = f"owner record of chunk {chunk} at offset {line}"
+        if kind > TAIL:
+            raise CorruptionError(f"{where} has kind {kind}; expected 0..{TAIL}")
+        if node_field > self.layout.max_nodes or (kind != FREE) != (node_field != 0):
+            raise CorruptionError(f"{where} names node {node_field - 1} with kind "
+                                  f"{KINDS[kind]}; the pool has {self.layout.max_nodes} nodes")
+        if kind == HEAD and not 1 <= run <= self.nchunks - chunk:
+            raise CorruptionError(f"{where}: an extent of {run} chunks does not fit")
+        if kind == TAIL and not 0 <= run < chunk:
+            raise CorruptionError(f"{where}: tail of chunk {run}, which is not before it")
+        return Owner(node_field - 1 if node_field else None, kind, pid, epoch, run)
+
+    def _write_owner(self, chunk: int, owner: Owner | None) -> None:
+        line = self.layout.owner(chunk)
+        if owner is None:
+            word = epoch = run = 0
+        else:
+            word = (owner.node + 1) | owner.kind << 16 | owner.pid << 32
+            epoch, run = owner.epoch, owner.run
+        self.region.store_u64(line, word)
+        self.region.store_u64(line + 8, epoch)
+        self.region.store_u64(line + 16, run)
+
+    def _fresh_owners(self, first: int, count: int) -> None:
+        """Invalidate owner records (the caller fences); bulk ranges with
+        the payload instruction."""
+        self.region.invalidate(self.layout.owner(first), count * OWNER_BYTES,
+                               payload=count > 16)
+
+    def _bitmap(self) -> np.ndarray:
+        """The whole bitmap, fresh (one bulk invalidate, one fence)."""
+        layout = self.layout
+        self.region.invalidate(layout.bitmap, layout.bitmap_bytes, payload=True)
+        self.region.fence()
+        return np.frombuffer(bytearray(self.region.read(layout.bitmap, layout.bitmap_bytes)),
+                             dtype=np.uint64)
+
+    def _set_bits(self, words: np.ndarray, first: int, count: int, value: bool) -> None:
+        """Set or clear bits [first, first + count) in memory and ``words``;
+        flush the lines written (the caller fences)."""
+        lines = set()
+        for chunk in range(first, first + count):
+            index, bit = divmod(chunk, 64)
+            mask = np.uint64(1 << bit)
+            words[index] = (words[index] | mask) if value else (words[index] & ~mask)
+            lines.add(index // 8)
+            self.region.store_u64(self.layout.bitmap + index * 8, int(words[index]))
+        for line in lines:
+            self.region.flush(self.layout.bitmap + line * LINE, LINE)
+
+    # ---------------------------------------------------------- global path
+
+    def alloc_chunks(self, count: int, kind: int = HEAD, timeout: float | None = None) -> int:
+        """Take a run of ``count`` chunks; returns the first chunk."""
+        if not 1 <= count <= self.nchunks:
+            raise PoolFull(f"{count} chunks of {self.chunk_size} bytes requested; the pool has "
+                           f"{self.nchunks}")
+        pool, region, layout = self.pool, self.region, self.layout
+        with pool.lock("alloc")(timeout) as lock:
+            region.invalidate(layout.cursor_line, LINE)
+            words = self._bitmap()
+            cursor = region.load_u64(layout.cursor_line)
+            if cursor >= self.nchunks:
+                raise CorruptionError(f"allocator cursor at offset {layout.cursor_line} is "
+                                      f"{cursor}; the pool has {self.nchunks} chunks")
+            first = bitmap.first_free_run(words, self.nchunks, count, cursor)
+            if first < 0 and self._reclaim_locked(words):
+                first = bitmap.first_free_run(words, self.nchunks, count, 0)
+            if first < 0:
+                free = bitmap.count_free(words, self.nchunks)
+                raise PoolFull(f"no run of {count} free chunks ({count * self.chunk_size} "
+                               f"bytes) in pool {region.path!r}: {free} of {self.nchunks} "
+                               f"chunks free, none reclaimable")
+            lock.check()  # fencing: still ours before anything is published (R6)
+            epoch = pool.epoch
+            for index in range(count):
+                if index == 0:
+                    owner = Owner(self.node, kind, self.pid, epoch, count if kind == HEAD else 1)
+                else:
+                    owner = Owner(self.node, TAIL, self.pid, epoch, first)
+                self._write_owner(first + index, owner)
+            region.flush(layout.owner(first), count * OWNER_BYTES)
+            region.fence()
+            self._set_bits(words, first, count, True)
+            region.store_u64(layout.cursor_line, (first + count) % self.nchunks)
+            region.flush(layout.cursor_line, LINE)
+            region.fence()
+        return first
+
+    def free_chunks(self, first: int, timeout: float | None = None) -> int:
+        """Give back the extent or slab chunk starting at ``first``; returns
+        its length in chunks."""
+        region = self.region
+        with self.pool.lock("alloc")(timeout) as lock:
+            self._fresh_owners(first, 1)
+            region.fence()
+            head = self.owner(first)
+            if head.kind not in (HEAD, SLAB):
+                raise ValueError(f"chunk {first} (offset {self.offset_of(first)}) does not "
+                                 f"start an allocation: its owner record says "
+                                 f"{KINDS[head.kind]}")
+            count = head.run if head.kind == HEAD else 1
+            self._fresh_owners(first, count)
+            region.fence()
+            for chunk in range(first + 1, first + count):
+                tail = self.owner(chunk)
+                if tail.kind != TAIL or tail.run != first:
+                    raise CorruptionError(f"extent at chunk {first} ({count} chunks): chunk "
+                                          f"{chunk}'s owner record is {tail}")
+            lock.check()
+            self._release(self._bitmap(), first, count)
+        return count
+
+    def _release(self, words: np.ndarray, first: int, count: int) -> None:
+        """Bits, then owner records (under the lock)."""
+        self._set_bits(words, first, count, False)
+        self.region.fence()
+        for chunk in range(first, first + count):
+            self._write_owner(chunk, None)
+        self.region.flush(self.layout.owner(first), count * OWNER_BYTES)
+        self.region.fence()
+
+    # -------------------------------------------------------------- reclaim
+
+    def add_referrer(self, referrer) -> None:
+        """``referrer()`` returns the (offset, size) ranges it keeps alive."""
+        self._referrers.append(referrer)
+
+    def referenced_chunks(self) -> set[int]:
+        chunks = set()
+        for referrer in self._referrers:
+            for offset, size in referrer():
+                first = self.chunk_of(offset)
+                last = self.chunk_of(offset + max(size, 1) - 1)
+                chunks.update(range(first, last + 1))
+        return chunks
+
+    def dead_owner(self, owner: Owner, local_pids: bool) -> bool:
+        """Whether ``owner`` is gone for good (R6).  ``local_pids``: the
+        owner's node runs on this host, so its pids can be checked."""
+        heartbeat, epoch, state = self.pool.nodes.read(owner.node)
+        if state != ALIVE or epoch != owner.epoch:
+            return True
+        if not self.pool.space.liveness.live(owner.node):
+            return True
+        return owner.kind == HEAD and local_pids and not _pid_alive(owner.pid)
+
+    def reclaimable(self, words: np.ndarray | None = None) -> list[tuple[int, int, Owner]]:
+        """(first chunk, count, owner) of every allocation whose owner is dead
+        and that nothing references."""
+        words = self._bitmap() if words is None else words
+        self._fresh_owners(0, self.nchunks)
+        self.region.fence()
+        referenced = self.referenced_chunks()
+        local_nodes = self.pool.nodes_on_this_host()
+        found = []
+        for chunk in range(self.nchunks):
+            if not (int(words[chunk // 64]) >> (chunk % 64)) & 1:
+                continue
+            owner = self.owner(chunk)
+            if owner.kind not in (HEAD, SLAB):
+                continue
+            count = owner.run if owner.kind == HEAD else 1
+            if any(c in referenced for c in range(chunk, chunk + count)):
+                continue
+            if self.dead_owner(owner, owner.node in local_nodes):
+                found.append((chunk, count, owner))
+        return found
+
+    def _reclaim_locked(self, words: np.ndarray) -> int:
+        reclaimed = self.reclaimable(words)
+        for chunk, count, _ in reclaimed:
+            self._release(words, chunk, count)
+        return len(reclaimed)
+
+    def reclaim(self, timeout: float | None = None) -> list[tuple[int, int, Owner]]:
+        """Free every dead, unreferenced allocation; returns what was freed."""
+        with self.pool.lock("alloc")(timeout) as lock:
+            words = self._bitmap()
+            reclaimed = self.reclaimable(words)
+            lock.check()
+            for chunk, count, _ in reclaimed:
+                self._release(words, chunk, count)
+        return reclaimed
+
+    # ------------------------------------------------------------ objects
+
+    def alloc(self, size: int, timeout: float | None = None) -> int:
+        """Pool offset of ``size`` fresh bytes (a slab block, or whole chunks)."""
+        if size <= 0:
+            raise ValueError(f"allocation size must be positive, got {size}")
+        heap = self.heap
+        if heap is not None and size <= heap.max_size:
+            offset = heap.alloc(size)
+            if offset >= 0:
+                return offset
+            self.drain()
+            offset = heap.alloc(size)
+            if offset >= 0:
+                return offset
+            try:
+                chunk = self.alloc_chunks(1, SLAB, timeout)
+            except PoolFull:
+                if not self.trim(timeout):
+                    raise
+                chunk = self.alloc_chunks(1, SLAB, timeout)
+            heap.add_slab(chunk, size)
+            offset = heap.alloc(size)
+            if offset < 0:  # another process of this node took the whole slab
+                return self.alloc(size, timeout)
+            return offset
+        count = -(-size // self.chunk_size)
+        try:
+            return self.offset_of(self.alloc_chunks(count, HEAD, timeout))
+        except PoolFull:
+            if not self.trim(timeout):
+                raise
+            return self.offset_of(self.alloc_chunks(count, HEAD, timeout))
+
+    def free(self, offset: int, timeout: float | None = None) -> None:
+        """Give back what `alloc` returned, from any node."""
+        chunk = self.chunk_of(offset)
+        if self.heap is not None and self.heap.free(offset) != _NOT_MINE:
+            return
+        self._fresh_owners(chunk, 1)
+        self.region.fence()
+        owner = self.owner(chunk)
+        if owner.kind == SLAB:
+            if owner.node == self.node:
+                raise ValueError(f"offset {offset} is in chunk {chunk}, a slab of this node, "
+                                 f"but not a block its heap has given out")
+            self._free_remote(owner, offset)
+            return
+        if owner.kind != HEAD or self.offset_of(chunk) != offset:
+            raise ValueError(f"offset {offset} (chunk {chunk}, {KINDS[owner.kind]}) is not the "
+                             f"start of an allocation")
+        self.free_chunks(chunk, timeout)
+
+    def trim(self, timeout: float | None = None) -> int:
+        """Give this node's empty slabs back to the pool; returns how many."""
+        if self.heap is None:
+            return 0
+        trimmed = 0
+        for chunk, _, used in self.heap.slabs():
+            if not used and self.heap.drop_slab(chunk):
+                self.free_chunks(chunk, timeout)
+                trimmed += 1
+        return trimmed
+
+    def _free_remote(self, owner: Owner, offset: int) -> None:
+        ring = FreeRing(self.region, self.layout, self.node, owner.node)
+        backoff = self.pool.space.backoff()
+        start = self.pool.clock.now()
+        while not ring.push(offset):
+            if self.dead_owner(owner, False):
+                return  # its slabs go back with its chunks
+            if self.pool.clock.now() - start > 4 * self.pool.header.lease_timeout:
+                raise PoolFull(f"free of offset {offset}: node {owner.node}'s free ring from "
+                               f"node {self.node} stayed full for "
+                               f"{4 * self.pool.header.lease_timeout} s")
+            backoff.wait()
+
+    def drain(self) -> int:
+        """Free the blocks other nodes queued for this node's slabs."""
+        if self.heap is None:
+            return 0
+        drained = 0
+        for sender in range(self.layout.max_nodes):
+            if sender == self.node:
+                continue
+            for offset in FreeRing(self.region, self.layout, sender, self.node).drain():
+                try:
+                    self.heap.free(offset)
+                except ValueError as error:
+                    raise CorruptionError(f"free ring {sender}->{self.node}: {error}") from None
+                drained += 1
+        return drained
+
+
+_NOT_MINE = -1
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0 or pid > 1 << 31:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
