@@ -25,9 +25,9 @@ def region(pool_path):
 
 @pytest.fixture(autouse=True, scope="session")
 def no_leaked_shared_memory():
-    """Teardown asserts the suite left no tract file in /dev/shm."""
-    before = set(os.listdir("/dev/shm"))
+    """Teardown asserts the suite left none of its pool files in /dev/shm
+    (only this session's: other runs may share the machine)."""
     yield
-    leaked = sorted(name for name in set(os.listdir("/dev/shm")) - before
-                    if name.startswith("tract"))
+    leaked = sorted(name for name in os.listdir("/dev/shm")
+                    if name.startswith(f"tract-test-{os.getpid()}-"))
     assert not leaked, f"tests left {leaked} in /dev/shm"

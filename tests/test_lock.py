@@ -64,9 +64,9 @@ def run_counter(seed, mode, nodes=3, rounds=3, chaos=0.2, crash=None):
                 value = host.load_u64(counter)
                 host.store_u64(counter, value + 1)
                 lock.check()
-                host.flush(counter, 8)
-                host.fence()
+                host.flush(counter, 8)  # the release fences it (R3)
                 if crash == (node, round_):
+                    host.fence()  # its update is in memory; then it dies inside
                     inside.remove(node)
                     finished[node] = True
                     return "crashed"  # dies holding the lock: no release, no more beats

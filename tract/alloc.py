@@ -40,7 +40,10 @@ dead, and the lock's epoch is checked before any allocation is published.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
+import struct
+import typing
 
 import numpy as np
 
@@ -51,6 +54,7 @@ from tract.lease import ALIVE, LINE
 __all__ = ["AllocLayout", "Allocator", "FreeRing", "KINDS"]
 
 OWNER_BYTES = 32
+_RECORD = struct.Struct("<4Q")  # owner word (node + 1 | kind << 16 | pid << 32), epoch, run
 RING_SLOTS = 32
 BITS_PER_LINE = LINE * 8
 
@@ -73,26 +77,26 @@ class AllocLayout:
     def cursor_line(self) -> int:
         return self.offset
 
-    @property
+    @functools.cached_property
     def bitmap(self) -> int:
         return self.offset + LINE
 
-    @property
+    @functools.cached_property
     def bitmap_bytes(self) -> int:
         return -(-self.capacity // BITS_PER_LINE) * LINE
 
-    @property
+    @functools.cached_property
     def owners(self) -> int:
         return self.bitmap + self.bitmap_bytes
 
     def owner(self, chunk: int) -> int:
         return self.owners + chunk * OWNER_BYTES
 
-    @property
+    @functools.cached_property
     def rings(self) -> int:
         return self.owners + -(-self.capacity * OWNER_BYTES // LINE) * LINE
 
-    @property
+    @functools.cached_property
     def ring_bytes(self) -> int:
         return 2 * LINE + RING_SLOTS * 8
 
@@ -152,8 +156,7 @@ class FreeRing:
         return offsets
 
 
-@dataclasses.dataclass(frozen=True)
-class Owner:
+class Owner(typing.NamedTuple):
     """One chunk's owner record."""
 
     node: int | None
@@ -195,28 +198,24 @@ class Allocator:
         line = self.layout.owner(chunk)
         word, epoch, run = self.region.load_u64s(line, 3)
         node_field, kind, pid = word & 0xFFFF, (word >> 16) & 0xFF, word >> 32
-        where = f"owner record of chunk {chunk} at offset {line}"
         if kind > TAIL:
-            raise CorruptionError(f"{where} has kind {kind}; expected 0..{TAIL}")
-        if node_field > self.layout.max_nodes or (kind != FREE) != (node_field != 0):
-            raise CorruptionError(f"{where} names node {node_field - 1} with kind "
-                                  f"{KINDS[kind]}; the pool has {self.layout.max_nodes} nodes")
-        if kind == HEAD and not 1 <= run <= self.nchunks - chunk:
-            raise CorruptionError(f"{where}: an extent of {run} chunks does not fit")
-        if kind == TAIL and not 0 <= run < chunk:
-            raise CorruptionError(f"{where}: tail of chunk {run}, which is not before it")
-        return Owner(node_field - 1 if node_field else None, kind, pid, epoch, run)
-
-    def _write_owner(self, chunk: int, owner: Owner | None) -> None:
-        line = self.layout.owner(chunk)
-        if owner is None:
-            word = epoch = run = 0
+            problem = f"has kind {kind}; expected 0..{TAIL}"
+        elif node_field > self.layout.max_nodes or (kind != FREE) != (node_field != 0):
+            problem = (f"names node {node_field - 1} with kind {KINDS[kind]}; the pool has "
+                       f"{self.layout.max_nodes} nodes")
+        elif kind == HEAD and not 1 <= run <= self.nchunks - chunk:
+            problem = f"holds an extent of {run} chunks, which does not fit"
+        elif kind == TAIL and not 0 <= run < chunk:
+            problem = f"is a tail of chunk {run}, which is not before it"
         else:
-            word = (owner.node + 1) | owner.kind << 16 | owner.pid << 32
-            epoch, run = owner.epoch, owner.run
-        self.region.store_u64(line, word)
-        self.region.store_u64(line + 8, epoch)
-        self.region.store_u64(line + 16, run)
+            return Owner(node_field - 1 if node_field else None, kind, pid, epoch, run)
+        raise CorruptionError(f"owner record of chunk {chunk} at offset {line} {problem}")
+
+    def owner_fresh(self, chunk: int) -> Owner:
+        """Chunk ``chunk``'s owner record, read after an invalidate (R4)."""
+        self._fresh_owners(chunk, 1)
+        self.region.fence()
+        return self.owner(chunk)
 
     def _fresh_owners(self, first: int, count: int) -> None:
         """Invalidate owner records (the caller fences); bulk ranges with
@@ -232,18 +231,28 @@ class Allocator:
         return np.frombuffer(bytearray(self.region.read(layout.bitmap, layout.bitmap_bytes)),
                              dtype=np.uint64)
 
-    def _set_bits(self, words: np.ndarray, first: int, count: int, value: bool) -> None:
-        """Set or clear bits [first, first + count) in memory and ``words``;
-        flush the lines written (the caller fences)."""
-        lines = set()
-        for chunk in range(first, first + count):
-            index, bit = divmod(chunk, 64)
-            mask = np.uint64(1 << bit)
-            words[index] = (words[index] | mask) if value else (words[index] & ~mask)
-            lines.add(index // 8)
-            self.region.store_u64(self.layout.bitmap + index * 8, int(words[index]))
+    def _set_bits(self, first: int, count: int, value: bool, words: np.ndarray | None = None
+                  ) -> None:
+        """Set or clear bits [first, first + count) in memory (and in
+        ``words``, a fresh copy of the bitmap, when given; else the words
+        are read fresh here); flush the lines written (the caller fences)."""
+        bitmap, end = self.layout.bitmap, first + count
+        low_word, high_word = first // 64, (end - 1) // 64
+        lines = range(low_word // 8, high_word // 8 + 1)
+        if words is None:
+            self.region.invalidate(bitmap + lines[0] * LINE, len(lines) * LINE)
+            self.region.fence()
+        for index in range(low_word, high_word + 1):
+            low = max(first, index * 64) - index * 64
+            high = min(end, index * 64 + 64) - index * 64
+            mask = ((1 << (high - low)) - 1) << low
+            word = self.region.load_u64(bitmap + index * 8) if words is None else int(words[index])
+            word = word | mask if value else word & ~mask
+            if words is not None:
+                words[index] = word
+            self.region.store_u64(bitmap + index * 8, word)
         for line in lines:
-            self.region.flush(self.layout.bitmap + line * LINE, LINE)
+            self.region.flush(bitmap + line * LINE, LINE)
 
     # ---------------------------------------------------------- global path
 
@@ -260,7 +269,10 @@ class Allocator:
             if cursor >= self.nchunks:
                 raise CorruptionError(f"allocator cursor at offset {layout.cursor_line} is "
                                       f"{cursor}; the pool has {self.nchunks} chunks")
-            first = bitmap.first_free_run(words, self.nchunks, count, cursor)
+            if count == 1 and not (int(words[cursor // 64]) >> (cursor % 64)) & 1:
+                first = cursor  # next fit: the cursor's chunk is free
+            else:
+                first = bitmap.first_free_run(words, self.nchunks, count, cursor)
             if first < 0 and self._reclaim_locked(words):
                 first = bitmap.first_free_run(words, self.nchunks, count, 0)
             if first < 0:
@@ -269,19 +281,19 @@ class Allocator:
                                f"bytes) in pool {region.path!r}: {free} of {self.nchunks} "
                                f"chunks free, none reclaimable")
             lock.check()  # fencing: still ours before anything is published (R6)
-            epoch = pool.epoch
-            for index in range(count):
-                if index == 0:
-                    owner = Owner(self.node, kind, self.pid, epoch, count if kind == HEAD else 1)
-                else:
-                    owner = Owner(self.node, TAIL, self.pid, epoch, first)
-                self._write_owner(first + index, owner)
+            # the records share lines with neighbours that other hosts wrote
+            # under the lock: fresh lines before a partial write (R2, R4)
+            self._fresh_owners(first, count)
+            region.fence()
+            owner = (self.node + 1) | self.pid << 32
+            records = _RECORD.pack(owner | kind << 16, pool.epoch, count if kind == HEAD else 1, 0)
+            records += _RECORD.pack(owner | TAIL << 16, pool.epoch, first, 0) * (count - 1)
+            region.copy_in(layout.owner(first), records, nontemporal=False)
             region.flush(layout.owner(first), count * OWNER_BYTES)
             region.fence()
-            self._set_bits(words, first, count, True)
+            self._set_bits(first, count, True, words)
             region.store_u64(layout.cursor_line, (first + count) % self.nchunks)
-            region.flush(layout.cursor_line, LINE)
-            region.fence()
+            region.flush(layout.cursor_line, LINE)  # fenced by the lock's release (R3)
         return first
 
     def free_chunks(self, first: int, timeout: float | None = None) -> int:
@@ -289,33 +301,35 @@ class Allocator:
         its length in chunks."""
         region = self.region
         with self.pool.lock("alloc")(timeout) as lock:
-            self._fresh_owners(first, 1)
-            region.fence()
-            head = self.owner(first)
+            head = self.owner_fresh(first)
             if head.kind not in (HEAD, SLAB):
                 raise ValueError(f"chunk {first} (offset {self.offset_of(first)}) does not "
                                  f"start an allocation: its owner record says "
                                  f"{KINDS[head.kind]}")
             count = head.run if head.kind == HEAD else 1
-            self._fresh_owners(first, count)
-            region.fence()
-            for chunk in range(first + 1, first + count):
-                tail = self.owner(chunk)
-                if tail.kind != TAIL or tail.run != first:
+            if count > 1:
+                self._fresh_owners(first + 1, count - 1)
+                region.fence()
+                tails = np.frombuffer(region.read(self.layout.owner(first + 1),
+                                                  (count - 1) * OWNER_BYTES), dtype=np.uint64)
+                tails = tails.reshape(count - 1, OWNER_BYTES // 8)
+                broken = np.flatnonzero(((tails[:, 0] >> np.uint64(16)) & np.uint64(0xFF) != TAIL)
+                                        | (tails[:, 2] != first))
+                if broken.size:
+                    chunk = first + 1 + int(broken[0])
                     raise CorruptionError(f"extent at chunk {first} ({count} chunks): chunk "
-                                          f"{chunk}'s owner record is {tail}")
+                                          f"{chunk}'s owner record is {self.owner(chunk)}")
             lock.check()
-            self._release(self._bitmap(), first, count)
+            self._release(first, count)
         return count
 
-    def _release(self, words: np.ndarray, first: int, count: int) -> None:
+    def _release(self, first: int, count: int, words: np.ndarray | None = None) -> None:
         """Bits, then owner records (under the lock)."""
-        self._set_bits(words, first, count, False)
+        self._set_bits(first, count, False, words)
         self.region.fence()
-        for chunk in range(first, first + count):
-            self._write_owner(chunk, None)
+        self.region.fill(self.layout.owner(first), count * OWNER_BYTES, 0)
+        # the caller holds the alloc lock: its release fences this flush (R3)
         self.region.flush(self.layout.owner(first), count * OWNER_BYTES)
-        self.region.fence()
 
     # -------------------------------------------------------------- reclaim
 
@@ -367,7 +381,7 @@ class Allocator:
     def _reclaim_locked(self, words: np.ndarray) -> int:
         reclaimed = self.reclaimable(words)
         for chunk, count, _ in reclaimed:
-            self._release(words, chunk, count)
+            self._release(chunk, count, words)
         return len(reclaimed)
 
     def reclaim(self, timeout: float | None = None) -> list[tuple[int, int, Owner]]:
@@ -377,7 +391,7 @@ class Allocator:
             reclaimed = self.reclaimable(words)
             lock.check()
             for chunk, count, _ in reclaimed:
-                self._release(words, chunk, count)
+                self._release(chunk, count, words)
         return reclaimed
 
     # ------------------------------------------------------------ objects
@@ -419,9 +433,7 @@ class Allocator:
         chunk = self.chunk_of(offset)
         if self.heap is not None and self.heap.free(offset) != _NOT_MINE:
             return
-        self._fresh_owners(chunk, 1)
-        self.region.fence()
-        owner = self.owner(chunk)
+        owner = self.owner_fresh(chunk)
         if owner.kind == SLAB:
             if owner.node == self.node:
                 raise ValueError(f"offset {offset} is in chunk {chunk}, a slab of this node, "

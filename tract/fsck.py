@@ -29,7 +29,7 @@ import numpy as np
 
 from tract._native._localmutex import LocalMutex
 from tract._native._nodeheap import NodeHeap
-from tract.alloc import FREE, HEAD, KINDS, SLAB, TAIL, _pid_alive
+from tract.alloc import FREE, HEAD, KINDS, OWNER_BYTES, SLAB, TAIL, _pid_alive
 from tract.errors import CorruptionError
 from tract.lock import _GRANT_STATES, _grant_check
 from tract.pool import SLAB_MIN_BLOCK, Pool, _NodeLocal
@@ -239,13 +239,13 @@ class _Check:
         return f"set offset {offset} to {value}"
 
     def _clear_owner(self, chunk: int) -> str:
-        self.allocator._write_owner(chunk, None)
-        self.region.flush(self.allocator.layout.owner(chunk), 32)
+        self.region.fill(self.allocator.layout.owner(chunk), OWNER_BYTES, 0)
+        self.region.flush(self.allocator.layout.owner(chunk), OWNER_BYTES)
         self.region.fence()
         return f"cleared the owner record of chunk {chunk}"
 
     def _free(self, chunk: int, count: int) -> str:
-        self.allocator._release(self.allocator._bitmap(), chunk, count)
+        self.allocator._release(chunk, count)
         return f"returned chunks {chunk}..{chunk + count - 1} to the pool"
 
     # --------------------------------------------------------------- slabs

@@ -40,8 +40,11 @@ Tier 2 arbitrates between nodes over pool memory, in one of three modes:
     Compare-and-swap on a lock word; only for pools declared
     ``coherence="hardware"``.
 
-Every grant carries an epoch, a fencing token: code working under a lock
-calls ``check()`` before it publishes, which raises `LeaseLost` if another
+Releasing fences first, so the flushes a holder issued complete before any
+other node can see the lock free: code under a lock flushes what it wrote
+and leaves the fence to the release (R3).  Every grant carries an epoch, a
+fencing token: code working under a lock calls ``check()`` before it
+publishes, which raises `LeaseLost` if another
 node has since been granted the lock (R6).
 
 Rules relied on (DESIGN.md): R2 — every line has one writer at a time
@@ -233,6 +236,7 @@ class BakeryLock:
 
     def _withdraw(self) -> None:
         mine = self.space.layout.bakery_line(self.lock, self.space.node)
+        self.space.region.fence()  # the holder's flushes complete before it leaves (R3)
         self.space.region.store_u64(mine, 0)
         self.space.region.store_u64(mine + 8, 0)
         self.space.publish(mine)
@@ -381,6 +385,7 @@ class ManagedLock:
 
     def release(self) -> None:
         region = self.space.region
+        region.fence()  # the holder's flushes complete before the release is seen (R3)
         request = self._request
         seq = region.load_u64(request)
         region.store_u64(request + 8, seq)
@@ -766,6 +771,8 @@ class Lock:
     def check(self) -> None:
         """Raise `LeaseLost` unless this node still holds the lock."""
         if self.fast is not None:
+            if self.fast.still_granted():  # the common case, natively
+                return
             self.global_lock.epoch = self.fast.epoch
         self.global_lock.check()
 

@@ -8,7 +8,8 @@ word over all of them, stored last.
 
 - Writes (`put`, `delete`) happen under the pool's ``objects`` lock: the
   holder reads the chain fresh (R4), checks the lock's epoch (fencing, R6),
-  writes the record, check word last, flushes both lines and fences (R3).
+  writes the record, check word last, and flushes both lines; the lock's
+  release fences them before the next writer can start (R3).
 - Reads (`get`, `list`) take no lock: invalidate the record's lines, fence,
   read, and accept the record only when its check word matches.  A record
   caught mid-write (a flush may land line by line, and an eviction may write
@@ -152,16 +153,26 @@ class ObjectStore:
         """The record named ``name``, or None (no lock taken)."""
         return self._find(validate_name(name))[2]
 
-    def list(self) -> list[ObjectRecord]:
-        """Every live record (no lock taken)."""
+    def _slots(self):
+        """(slot, state, record, error) of every slot, read after one bulk
+        invalidate and one fence; ``error`` is the exception a torn or
+        corrupt slot raised (then state and record are None)."""
         self.region.invalidate(self.offset, self.capacity * RECORD_BYTES, payload=True)
         self.region.fence()
-        records = []
         for index in range(self.capacity):
             try:
                 state, record = self._decode(index, self._read(index, fresh=False))
-            except _TornRecord:
-                state, record = self._read_whole(index)
+            except (_TornRecord, CorruptionError) as error:
+                yield index, None, None, error
+            else:
+                yield index, state, record, None
+
+    def list(self) -> list[ObjectRecord]:
+        """Every live record (no lock taken)."""
+        records = []
+        for index, state, record, error in self._slots():
+            if error is not None:
+                state, record = self._read_whole(index)  # retries a torn one; raises
             if state == LIVE:
                 records.append(record)
         return records
@@ -218,8 +229,9 @@ class ObjectStore:
         for position, word in enumerate(name_words):
             self.region.store_u64(line + LINE + 8 * position, word)
         self.region.store_u64(line + 56, record_check(head + name_words))
+        # the caller holds the objects lock: its release fences this flush
+        # before anyone else can take the lock (R3)
         self.region.flush(line, RECORD_BYTES)
-        self.region.fence()
 
     def clear(self, index: int) -> None:
         """Make slot ``index`` a tombstone whatever it held (fsck --repair,
@@ -232,16 +244,11 @@ class ObjectStore:
     def scan(self) -> list[tuple[int, str, ObjectRecord | None, str | None]]:
         """(slot, state name, record, problem) of every non-empty slot, for
         fsck; a torn or corrupt slot is reported, not raised."""
-        self.region.invalidate(self.offset, self.capacity * RECORD_BYTES, payload=True)
-        self.region.fence()
         found = []
-        for index in range(self.capacity):
-            try:
-                state, record = self._decode(index, self._read(index, fresh=False))
-            except (_TornRecord, CorruptionError) as error:
+        for index, state, record, error in self._slots():
+            if error is not None:
                 found.append((index, "bad", None, str(error)))
-                continue
-            if state != EMPTY:
+            elif state != EMPTY:
                 found.append((index, "live" if state == LIVE else "tombstone", record, None))
         return found
 

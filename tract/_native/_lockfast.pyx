@@ -175,6 +175,7 @@ cdef class ManagerFastPath:
     cdef void _give_back(self, uint64_t *slot) noexcept nogil:
         """`ManagedLock.release` (done and wait = request seq), and the slot cleared."""
         cdef volatile uint64_t *request = <volatile uint64_t *>(self.pool._base + self.request)
+        tract_fence()  # the holder's flushes complete before the release is seen (R3)
         cdef uint64_t seq = request[0]
         request[1] = seq
         request[2] = seq

@@ -21,6 +21,7 @@ __all__ = ["BENCHMARKS", "Result", "machine", "median_time", "run"]
 
 # name -> module under tract.bench that defines run(quick)
 BENCHMARKS = {
+    "alloc": "tract.bench.alloc",
     "incoherent": "tract.bench.incoherent",
     "lock": "tract.bench.lock",
     "region": "tract.bench.region",

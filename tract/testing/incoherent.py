@@ -52,6 +52,7 @@ from tract.errors import BoundsError, ConfigError, TractError
 from tract.platform import CacheControl
 
 __all__ = [
+    "CRASHED",
     "LINE",
     "LostUpdate",
     "SimClock",
@@ -76,6 +77,13 @@ class SimulationFailure(TractError):
 
 class _Abort(BaseException):
     """Unwinds a simulated host when the run is being torn down."""
+
+
+class _Crashed(BaseException):
+    """Unwinds a thread of a host that crashed (`SimPool.crash`)."""
+
+
+CRASHED = "crashed"  # what `SimPool.run` reports for a thread of a crashed host
 
 
 @dataclasses.dataclass
@@ -163,6 +171,8 @@ class SimPool:
         self._aborting = False
         self._thread = threading.local()
         self._wake: dict[int, float] = {}
+        self._crash_at: dict[int, int] = {}
+        self.crashed: set[int] = set()
 
     # ------------------------------------------------------------ running
 
@@ -183,6 +193,7 @@ class SimPool:
 
         def body(index: int) -> None:
             self._thread.index = index
+            self._thread.host = placed[index][0]
             with self._baton:
                 while self._running != index:
                     self._baton.wait()
@@ -191,6 +202,8 @@ class SimPool:
                 results[index] = function(self.hosts[host])
             except _Abort:
                 pass
+            except _Crashed:
+                results[index] = CRASHED
             except BaseException as error:  # reported with the seed below
                 errors.append((index, error))
                 self._aborting = True
@@ -223,6 +236,8 @@ class SimPool:
         ``force``, when another can run), count, trace."""
         self.steps += 1
         self.trace.append(f"h{host} {what} @{line * LINE}")
+        if self._crash_at or self.crashed:
+            self._maybe_crash(host)
         if line >= 0 and line not in self._touched:
             self._touched.add(line)
             self._hot.append(line)
@@ -250,6 +265,36 @@ class SimPool:
                 self._baton.wait()
         if self._aborting:
             raise _Abort()
+
+    def crash(self, host: int, after: int) -> None:
+        """Make host ``host`` die after ``after`` more of its memory
+        operations: its cache (dirty lines included) and its queued flushes
+        are lost, and each of its threads stops (`run` reports CRASHED for
+        it) at its next operation."""
+        if not 0 <= host < len(self.hosts):
+            raise ValueError(f"host {host} does not exist; the pool has {len(self.hosts)}")
+        self._crash_at[host] = after
+
+    def _maybe_crash(self, host: int) -> None:
+        mine = getattr(self._thread, "host", None)
+        if mine in self.crashed:
+            raise _Crashed()
+        left = self._crash_at.get(host)
+        if left is None or host != mine:
+            return
+        if left > 0:
+            self._crash_at[host] = left - 1
+            return
+        del self._crash_at[host]
+        self.crashed.add(host)
+        dead = self.hosts[host]
+        dead._queues.clear()
+        dead._cache[:] = self.memory
+        dead._snapshot[:] = self.memory
+        dead._fetched[:] = self.version
+        dead._marked[:] = False
+        self.trace.append(f"h{host} crashed")
+        raise _Crashed()
 
     def _pick(self) -> int:
         """A thread to run next: any thread not asleep; when all are asleep,

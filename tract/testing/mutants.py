@@ -44,6 +44,8 @@ SUITES: dict[str, list[str]] = {
     "tract.testing.mailbox": ["tests/test_incoherent.py"],
     "tract.lock": ["tests/test_lock.py"],
     "tract.lease": ["tests/test_lock.py"],
+    "tract.alloc": ["tests/test_alloc.py"],
+    "tract.objects": ["tests/test_objects.py"],
 }
 
 SEEDS_ENV = "TRACT_SIM_SEEDS"

@@ -1,0 +1,514 @@
+"""The allocator: the global path under the non-coherent simulator (with
+crashes), and natively: node heaps, remote frees, reclaim, a property-based
+model check, several processes on several nodes, and kill -9.
+
+Tests marked ``sim`` are the suite the mutation harness runs against every
+mutant of tract.alloc (TRACT_SIM_SEEDS sets the seeds).
+"""
+
+import multiprocessing
+import os
+import random
+import signal
+import time
+
+import numpy as np
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from tract.alloc import OWNER_BYTES, FreeRing
+from tract.errors import PoolFull
+from tract.fsck import _Check, fsck
+from tract.pool import Pool, format_pool
+from tract.testing.incoherent import CRASHED, SimPool, SimulationFailure
+
+SEEDS = int(os.environ.get("TRACT_SIM_SEEDS", "200"))
+SIM_LEASE = 0.004
+
+
+# ----------------------------------------------------------- simulator runs
+
+def _sim_pool(seed, nodes, chaos=0.2, size=128 * 1024):
+    pool = SimPool(size, hosts=nodes, seed=seed, chaos=chaos, max_steps=400_000)
+    format_pool(pool.hosts[0], max_nodes=nodes, locks=("alloc", "objects"), max_locks=2,
+                chunk_size=8192, max_objects=16, index_capacity=64, lock_mode="bakery",
+                lease_timeout=SIM_LEASE)
+    for host in pool.hosts:
+        host.invalidate(0, pool.size)
+        host.fence()
+    return pool
+
+
+def _memory_words(pool, offset, count):
+    return np.frombuffer(pool.memory[offset:offset + count * 8].tobytes(), dtype=np.uint64)
+
+
+def _check_crash_consistent(pool, handle):
+    """In memory: every taken chunk has a whole owner record (R3 order:
+    records before bits on alloc, bits before records on free)."""
+    layout, nchunks = handle.alloc_layout, handle.header.nchunks
+    words = _memory_words(pool, layout.bitmap, layout.bitmap_bytes // 8)
+    for chunk in range(nchunks):
+        if (int(words[chunk // 64]) >> (chunk % 64)) & 1:
+            owner = _memory_words(pool, layout.owner(chunk), 3)
+            kind = (int(owner[0]) >> 16) & 0xFF
+            if kind == 0:
+                raise SimulationFailure(f"chunk {chunk} is taken with no owner record", pool.seed)
+
+
+def run_alloc(seed, nodes=3, rounds=4, chaos=0.2, crash=None):
+    """Each node takes runs of 1..3 chunks and frees them, half of them
+    through another node (frees come from any node); no chunk is ever held
+    by two nodes; at the end the bitmap and every owner record are clear.
+    ``crash=(node, after)``: that host dies after that many operations; the
+    survivors reclaim what it held once its lease lapsed."""
+    pool = _sim_pool(seed, nodes, chaos)
+    rng = random.Random(seed)
+    held: dict[int, int] = {}  # chunk -> node, while allocated
+    handoff: list[tuple[int, int]] = []  # (chunk, its node): another node frees it
+    handles, finished = {}, [False] * nodes
+
+    def worker(node):
+        def body(host):
+            handle = handles[node] = Pool(host, node, clock=pool.clock, heartbeat=False,
+                                          local_locks=False)
+            allocator = handle.allocator
+            mine = []
+            for _ in range(rounds):
+                count = rng.randint(1, 3)
+                try:
+                    first = allocator.alloc_chunks(count, timeout=50 * SIM_LEASE)
+                except PoolFull:  # the others hold it all: give one back, go on
+                    if mine:
+                        _free(allocator, mine.pop(0))
+                    continue
+                for chunk in range(first, first + count):
+                    if chunk in held and held[chunk] not in pool.crashed:  # reclaimed: fine
+                        raise AssertionError(f"chunk {chunk} given to node {node} while node "
+                                             f"{held[chunk]} holds it")
+                    held[chunk] = node
+                mine.append(first)
+                if handoff and rng.random() < 0.7:
+                    _free_handed(allocator, *handoff.pop())
+                if rng.random() < 0.5:
+                    handoff.append((mine.pop(0), node))
+                elif len(mine) > 1:
+                    _free(allocator, mine.pop(0))
+            for first in mine:
+                _free(allocator, first)
+            while handoff:  # the last node to finish frees what is left
+                _free_handed(allocator, *handoff.pop())
+            finished[node] = True
+            return node
+        return body
+
+    def _free(allocator, first):
+        count = allocator.owner_fresh(first).run
+        for chunk in range(first, first + count):
+            held.pop(chunk, None)
+        allocator.free_chunks(first, timeout=50 * SIM_LEASE)
+
+    def _free_handed(allocator, first, owner):
+        if owner not in pool.crashed:  # a dead node's chunks are reclaimed, not freed
+            _free(allocator, first)
+
+    def heartbeat(node):
+        def body(host):
+            while node not in handles:
+                pool.clock.sleep(SIM_LEASE / 8)
+            while not finished[node]:
+                handles[node].nodes.beat(node)
+                pool.clock.sleep(SIM_LEASE / 8)
+        return body
+
+    if crash is not None:
+        pool.crash(*crash)
+    threads = [(node, worker(node)) for node in range(nodes)]
+    threads += [(node, heartbeat(node)) for node in range(nodes)]
+    results = pool.run(*threads)
+    if pool.lost_updates:
+        raise SimulationFailure(f"lost update at {pool.lost_updates[0].line_offset}", seed)
+    survivor = handles[0]
+    _check_crash_consistent(pool, survivor)
+    if CRASHED not in results:
+        if handoff:
+            raise SimulationFailure(f"chunks {handoff} handed off but never freed", seed)
+        layout = survivor.alloc_layout
+        if _memory_words(pool, layout.bitmap, layout.bitmap_bytes // 8).any():
+            raise SimulationFailure("bits left set after every chunk was freed", seed)
+        owners = _memory_words(pool, layout.owners, survivor.header.nchunks * OWNER_BYTES // 8)
+        if owners.any():
+            raise SimulationFailure("owner records left after every chunk was freed", seed)
+        return pool
+    dead = crash[0]
+    held_by_dead = {chunk for chunk, node in held.items() if node == dead}
+    reports = []
+
+    def repair(host):  # fsck --repair, unchanged, on the simulator, after the lease
+        survivor.space.liveness.live(dead)
+        pool.clock.sleep(2 * SIM_LEASE)
+        reports.append(_Check(survivor, repair=True, watch=False).run())
+        reports.append(_Check(survivor, repair=False, watch=False).run())
+
+    pool.run((0, repair))
+    repaired, after = reports
+    if not repaired["ok"] or after["problems"]:
+        raise SimulationFailure(f"fsck after the crash: {repaired['problems'][:2]} then "
+                                f"{after['problems'][:2]}", seed)
+    bits = _memory_words(pool, survivor.alloc_layout.bitmap, 1)
+    still = {c for c in held_by_dead if (int(bits[c // 64]) >> (c % 64)) & 1}
+    if still:
+        raise SimulationFailure(f"the dead node's chunks {sorted(still)} were not reclaimed",
+                                seed)
+    return pool
+
+
+@pytest.mark.sim
+def test_alloc_and_free_from_any_node_under_every_seed():
+    for seed in range(SEEDS):
+        run_alloc(seed)
+
+
+@pytest.mark.sim
+def test_a_node_that_crashes_mid_alloc_leaves_a_consistent_reclaimable_pool():
+    for seed in range(SEEDS):
+        rng = random.Random(seed)
+        run_alloc(seed, crash=(rng.randint(1, 2), rng.randint(20, 2000)))
+
+
+def run_ring(seed, count=40, chaos=0.3):
+    """A sender pushes offsets through its free ring while the receiver
+    drains it: every offset arrives once, in order."""
+    pool = _sim_pool(seed, 2, chaos)
+    received, sent = [], list(range(4096, 4096 + 8 * count, 8))
+    handles = [Pool(host, node, clock=pool.clock, heartbeat=False, local_locks=False)
+               for node, host in enumerate(pool.hosts)]
+
+    def sender(host):
+        ring = FreeRing(host, handles[0].alloc_layout, 0, 1)
+        for offset in sent:
+            while not ring.push(offset):
+                pool.clock.sleep(1e-5)
+
+    def receiver(host):
+        ring = FreeRing(host, handles[1].alloc_layout, 0, 1)
+        while len(received) < count:
+            received.extend(ring.drain())
+            pool.clock.sleep(1e-5)
+
+    pool.run(sender, receiver)
+    if received != sent:
+        raise SimulationFailure(f"ring delivered {received[:6]}..., sent {sent[:6]}...", seed)
+
+
+@pytest.mark.sim
+def test_free_ring_delivers_every_offset_once_under_every_seed():
+    for seed in range(SEEDS):
+        run_ring(seed)
+        if seed < 20:  # no chaos: nothing rescues a line left stale or unflushed
+            run_ring(seed, chaos=0.0)
+
+
+def _crash_run(after, seed):
+    """Node 1 allocates and frees runs of chunks, dying after ``after``
+    operations; returns the memory-level check and whether it died."""
+    pool = _sim_pool(seed, 2, chaos=1.0)
+    pool.crash(1, after)
+
+    def body(host):
+        handle = Pool(host, 1, clock=pool.clock, heartbeat=False, local_locks=False)
+        first = handle.allocator.alloc_chunks(3)
+        second = handle.allocator.alloc_chunks(2)
+        handle.allocator.free_chunks(first)
+        handle.allocator.free_chunks(second)
+
+    results = pool.run((1, body))
+    _check_crash_consistent(pool, Pool(pool.hosts[0], 0, clock=pool.clock, heartbeat=False,
+                                       local_locks=False))
+    return results[0] == CRASHED
+
+
+@pytest.mark.sim
+def test_a_crash_at_any_point_leaves_every_taken_chunk_owned():
+    """Every crash point of an alloc/free sequence, with queued flushes
+    completing early at random (chaos 1.0): a taken chunk always has its
+    owner record, so fsck can attribute it."""
+    for seed in range(max(1, SEEDS // 50)):
+        after = 0
+        while _crash_run(after, seed):
+            after += 1
+        assert after > 50
+
+
+@pytest.mark.sim
+def test_reclaim_reads_owner_records_fresh():
+    """A node whose cache still holds a dead node's owner record for a chunk
+    that a live node has since taken must not reclaim it."""
+    pool = _sim_pool(0, 3, chaos=0.0)
+    handles = [Pool(host, node, clock=pool.clock, heartbeat=False, local_locks=False)
+               for node, host in enumerate(pool.hosts)]
+    taken = []
+
+    def steps(host):
+        chunk = handles[2].allocator.alloc_chunks(1)
+        handles[2].leave()  # node 2 is gone for good; its chunk is reclaimable
+        handles[0].allocator.owner_fresh(chunk)  # node 0 caches node 2's record
+        handles[1].allocator.reclaim()
+        taken.append(handles[1].allocator.alloc_chunks(handles[1].header.nchunks))
+        handles[0].allocator.reclaim()  # must see node 1's fresh record
+
+    pool.run((0, steps))
+    bits = _memory_words(pool, handles[0].alloc_layout.bitmap, 1)
+    assert taken == [0] and int(bits[0]) == (1 << handles[0].header.nchunks) - 1
+
+
+# ------------------------------------------------------------- native runs
+
+def _create(path, size=8 << 20, chunk=1 << 16, **options):
+    Pool.create(path, size, chunk_size=chunk, max_nodes=4,
+                lease_timeout=options.pop("lease_timeout", 0.5), **options)
+
+
+def test_sizes_alignment_and_classes(pool_path):
+    _create(pool_path)
+    with Pool.open(pool_path, 0, manager=True) as pool:
+        chunk, heap = pool.header.chunk_size, pool.header.heap
+        taken = []
+        for size in (1, 4096, 4097, 8192, 20000, chunk // 2, chunk // 2 + 1, chunk, 3 * chunk):
+            offset = pool.alloc(size)
+            assert heap <= offset and offset + size <= pool.header.heap_end
+            block = 4096
+            while block < size and block < chunk:
+                block *= 2
+            assert offset % min(block, chunk) == 0
+            taken.append((offset, size))
+        taken.sort()
+        for (a, size_a), (b, _) in zip(taken, taken[1:]):
+            assert a + size_a <= b, "allocations overlap"
+        for offset, _ in taken:
+            pool.free(offset)
+        pool.allocator.trim()
+        report = fsck(pool_path, watch=False)
+        assert report["ok"] and report["chunks"]["free"] == pool.header.nchunks
+
+
+def test_bad_frees_are_refused_and_lose_nothing(pool_path):
+    _create(pool_path)
+    with Pool.open(pool_path, 0, manager=True) as pool:
+        small, big = pool.alloc(100), pool.alloc(200_000)
+        with pytest.raises(ValueError, match="outside the heap"):
+            pool.free(64)
+        with pytest.raises(ValueError, match="inside a 4096-byte block"):
+            pool.free(small + 8)
+        with pytest.raises(ValueError, match="not the start of an allocation"):
+            pool.free(big + pool.header.chunk_size)
+        pool.free(small)
+        with pytest.raises(ValueError, match="already free"):
+            pool.free(small)
+        pool.free(big)
+        with pytest.raises(ValueError, match="not the start of an allocation"):
+            pool.free(big)
+        assert fsck(pool_path, watch=False)["ok"]
+
+
+def test_pool_full_is_clear_and_harmless(pool_path):
+    _create(pool_path, size=2 << 20)
+    with Pool.open(pool_path, 0, manager=True) as pool:
+        total = pool.header.nchunks
+        first = pool.alloc(total * pool.header.chunk_size)
+        with pytest.raises(PoolFull, match=r"no run of 1 free chunks .* 0 of \d+ chunks free"):
+            pool.alloc(10)
+        with pytest.raises(PoolFull, match="requested; the pool has"):
+            pool.allocator.alloc_chunks(total + 1)
+        pool.free(first)
+        assert pool.alloc(10) > 0
+        assert fsck(pool_path, watch=False)["ok"]
+
+
+def test_a_block_freed_by_another_node_returns_to_its_heap(pool_path):
+    _create(pool_path)
+    with Pool.open(pool_path, 0, manager=True) as first, Pool.open(pool_path, 1) as second:
+        offsets = [first.alloc(4096) for _ in range(5)]
+        for offset in offsets:
+            second.free(offset)  # a block of node 0's slab: queued in ring 1 -> 0
+        assert first.allocator.drain() == 5
+        (chunk, size, used), = first.allocator.heap.slabs()
+        assert size == 4096 and used == []
+        with pytest.raises(ValueError, match="already free"):
+            first.free(offsets[0])
+
+
+def test_chunks_of_a_node_that_left_are_reclaimed_when_space_runs_out(pool_path):
+    _create(pool_path, size=2 << 20)
+    with Pool.open(pool_path, 0, manager=True) as pool:
+        total = pool.header.nchunks
+        with Pool.open(pool_path, 1) as gone:
+            gone.alloc(total * pool.header.chunk_size)
+            with pytest.raises(PoolFull):
+                pool.alloc(4096)  # node 1 is alive: its chunks stay
+            gone.leave()
+        assert pool.alloc(pool.header.chunk_size) > 0  # reclaimed on the slow path
+        assert fsck(pool_path, watch=False)["ok"]
+
+
+class AllocMachine(RuleBasedStateMachine):
+    """Random alloc/free from two nodes against a model: nothing overlaps,
+    everything stays in the heap, and at the end fsck is clean."""
+
+    path = None
+
+    def __init__(self):
+        super().__init__()
+        self.pools = [Pool.open(self.path, 0, manager=True), Pool.open(self.path, 1)]
+        self.live: dict[int, tuple[int, int]] = {}  # offset -> (size, node)
+
+    @rule(node=st.integers(0, 1), size=st.one_of(st.integers(1, 70_000),
+                                                 st.integers(60_000, 300_000)))
+    def alloc(self, node, size):
+        try:
+            offset = self.pools[node].alloc(size)
+        except PoolFull:
+            return
+        self.live[offset] = (size, node)
+
+    @precondition(lambda self: self.live)
+    @rule(node=st.integers(0, 1), pick=st.integers(0, 10**6))
+    def free(self, node, pick):
+        offset = sorted(self.live)[pick % len(self.live)]
+        del self.live[offset]
+        self.pools[node].free(offset)
+
+    @invariant()
+    def nothing_overlaps(self):
+        header = self.pools[0].header
+        ranges = sorted((offset, size) for offset, (size, _) in self.live.items())
+        for (a, size), (b, _) in zip(ranges, ranges[1:]):
+            assert a + size <= b
+        for offset, size in ranges:
+            assert header.heap <= offset and offset + size <= header.heap_end
+
+    def teardown(self):
+        for offset in list(self.live):
+            self.pools[0].free(offset)
+        for pool in self.pools:
+            pool.allocator.drain()
+            pool.allocator.trim()
+        report = fsck(self.path, watch=False)
+        for pool in self.pools:
+            pool.close()
+        assert report["ok"], report["problems"]
+        assert report["chunks"]["free"] == report["chunks"]["total"]
+
+
+def test_random_alloc_and_free_match_the_model(pool_path):
+    _create(pool_path, size=4 << 20)
+    AllocMachine.path = pool_path
+    machine = AllocMachine.TestCase()
+    machine.settings = settings(max_examples=25, stateful_step_count=40, deadline=None)
+    machine.runTest()
+
+
+def _churn(path, node, seed, rounds, results):
+    rng = random.Random(seed)
+    with Pool.open(path, node) as pool:
+        mine = []
+        for step in range(rounds):
+            if mine and (rng.random() < 0.45 or len(mine) > 12):
+                offset, size, stamp = mine.pop(rng.randrange(len(mine)))
+                if pool.region.read(offset, 8) != stamp or pool.region.read(
+                        offset + size - 8, 8) != stamp:
+                    raise AssertionError(f"allocation at {offset} was overwritten")
+                pool.free(offset)
+            else:
+                size = rng.choice([16, 4096, 9000, 40_000, 70_000, 200_000])
+                offset = pool.alloc(size, timeout=30)
+                stamp = f"{os.getpid():06d}{step:02d}"[-8:].encode()
+                pool.region.copy_in(offset, stamp, nontemporal=False)
+                pool.region.copy_in(offset + max(size, 16) - 8, stamp, nontemporal=False)
+                mine.append((offset, max(size, 16), stamp))
+        for offset, _, _ in mine:
+            pool.free(offset)
+        time.sleep(0.3)  # let the other nodes' heartbeats drain the rings
+        pool.allocator.drain()
+        pool.allocator.trim()
+    results.put(node)
+
+
+@pytest.mark.multiprocess
+def test_processes_on_several_nodes_never_share_memory(pool_path):
+    _create(pool_path, size=32 << 20)
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    workers = [context.Process(target=_churn, args=(pool_path, node, seed, 150, results))
+               for seed, node in enumerate([0, 0, 1, 1])]
+    with Pool.open(pool_path, 2, manager=True):  # the lock manager outlives the workers
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join(120)
+            assert worker.exitcode == 0
+    report = fsck(pool_path, watch=False)
+    assert report["ok"], report["problems"]
+    assert report["chunks"]["free"] == report["chunks"]["total"]
+
+
+def _allocate_forever(path, node, ready):
+    with Pool.open(path, node) as pool:
+        rng = random.Random(node)
+        count = 0
+        while True:
+            pool.alloc(rng.choice([4096, 30_000, 100_000]), timeout=30)
+            count += 1
+            if count == 20:
+                ready.set()
+
+
+@pytest.mark.multiprocess
+def test_killed_allocators_are_reclaimed_by_fsck(pool_path):
+    """kill -9 one process mid-alloc, then both processes of another node:
+    the survivor keeps allocating, and fsck --repair returns everything."""
+    _create(pool_path, size=64 << 20, lease_timeout=0.5)
+    context = multiprocessing.get_context("spawn")
+    with Pool.open(pool_path, 0, manager=True) as survivor:
+        ready = [context.Event() for _ in range(3)]
+        victims = [context.Process(target=_allocate_forever, args=(pool_path, node, event))
+                   for node, event in zip([2, 1, 1], ready)]
+        for victim in victims:
+            victim.start()
+        for event in ready:
+            assert event.wait(60)
+        os.kill(victims[0].pid, signal.SIGKILL)  # one process, its node stays alive
+        kept = [survivor.alloc(50_000, timeout=10) for _ in range(10)]
+        for victim in victims[1:]:  # a whole node
+            os.kill(victim.pid, signal.SIGKILL)
+        kept += [survivor.alloc(50_000, timeout=10) for _ in range(10)]
+        for victim in victims:
+            victim.join(30)
+        survivor.objects.put("kept", kept[0], 50_000)
+        report = fsck(pool_path, repair=True, node=3)
+        assert report["ok"], report["problems"]
+        assert report["repaired"], "nothing was reclaimed"
+        for offset in kept:
+            survivor.free(offset)
+        survivor.objects.delete("kept")
+        survivor.allocator.trim()
+        after = fsck(pool_path, watch=False)
+        assert after["ok"], after["problems"]
+        assert after["chunks"]["free"] == after["chunks"]["total"]
+
+
+def test_owner_records_are_range_checked(pool_path):
+    _create(pool_path)
+    with Pool.open(pool_path, 0, manager=True) as pool:
+        first = pool.allocator.alloc_chunks(2)
+        line = pool.alloc_layout.owner(first)
+        pool.region.store_u64(line + 16, 10**6)  # a run that does not fit
+        pool.region.flush(line, 64)
+        pool.region.fence()
+        with pytest.raises(Exception, match="does not fit"):
+            pool.allocator.free_chunks(first)
+        report = fsck(pool_path, watch=False)
+        assert not report["ok"]
+        assert any("does not fit" in p["problem"] for p in report["problems"])

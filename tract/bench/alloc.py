@@ -1,0 +1,76 @@
+"""`tract bench alloc`: the allocator (`tract.alloc`).
+
+Alloc + free of 4 KiB and 64 KiB objects (the node-heap path: a slab block,
+no pool metadata touched) and of 2 MiB and 16 MiB objects (the global path:
+the ``alloc`` lock, the bitmap scan, owner records), each against the store
++ flush + fence round trip measured in the same run (ratio = round trip /
+value, so 1/3 means three round trips).  The lock manager runs in another
+process, as `tract manager` would.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+
+from tract.bench import Result
+from tract.bench.lock import MAX_NODES, _manage, _pool_path
+from tract.pool import Pool
+from tract.region import scratch_region
+
+SIZES = {"4KiB": 4 << 10, "64KiB": 64 << 10, "2MiB": 2 << 20, "16MiB": 16 << 20}
+NODE_HEAP_MAX = 1 << 20  # half the default 2 MiB chunk: the largest slab object
+
+
+def path_of(size: int) -> str:
+    return "node-heap" if size <= NODE_HEAP_MAX else "global"
+
+
+class Harness:
+    """A 256 MiB pool with a manager process and this process as node 0."""
+
+    def __init__(self):
+        self.path = _pool_path()
+        Pool.create(self.path, 256 << 20, max_nodes=MAX_NODES, lease_timeout=2.0)
+        context = multiprocessing.get_context("fork")
+        self.stop = context.Event()
+        self.manager = context.Process(target=_manage, args=(self.path, self.stop))
+        self.manager.start()
+        self.pool = Pool.open(self.path, 0)
+        self.pool.free(self.pool.alloc(4096, timeout=30))  # first grant, first slab
+
+    def alloc_free(self, size: int) -> None:
+        self.pool.free(self.pool.alloc(size))
+
+    def close(self) -> None:
+        self.pool.close()
+        self.stop.set()
+        self.manager.join(30)
+        Pool.destroy(self.path)
+
+
+def _best_ns(function, rounds: int, repeats: int = 5) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(rounds):
+            function()
+        best = min(best, (time.perf_counter() - start) / rounds)
+    return best * 1e9
+
+
+def run(quick: bool = False) -> list[Result]:
+    round_trip = min(scratch_region(4096, name="bench-alloc").time_round_trip(0, 20000)
+                     for _ in range(3))
+    harness = Harness()
+    results = []
+    try:
+        for label, size in SIZES.items():
+            rounds = (2000 if quick else 20000) if size <= NODE_HEAP_MAX else \
+                (200 if quick else 2000)
+            value = _best_ns(lambda: harness.alloc_free(size), rounds)
+            results.append(Result(f"alloc_free[{label},{path_of(size)}]", value, "ns", False,
+                                  "store_flush_fence", round_trip))
+    finally:
+        harness.close()
+    return results
