@@ -211,16 +211,57 @@ def test_free_ring_delivers_every_offset_once_under_every_seed():
             run_ring(seed, chaos=0.0)
 
 
-def _crash_run(after, seed):
+def run_ring_idle_receiver(seed):
+    """The receiver drains once and then only waits: the sender must still
+    see the space it freed (its tail reached memory without another drain)."""
+    from tract.alloc import RING_SLOTS
+    pool = _sim_pool(seed, 2, chaos=0.0)
+    handles = [Pool(host, node, clock=pool.clock, heartbeat=False, local_locks=False)
+               for node, host in enumerate(pool.hosts)]
+    drained, sent = [], []
+
+    def sender(host):
+        ring = FreeRing(host, handles[0].alloc_layout, 0, 1)
+        for offset in range(4096, 4096 + 8 * RING_SLOTS, 8):
+            assert ring.push(offset)
+        sent.append(True)
+        for _ in range(200):
+            if ring.push(1 << 20):
+                return
+            pool.clock.sleep(1e-5)
+        raise AssertionError("the drained ring never showed free space to the sender")
+
+    def receiver(host):
+        ring = FreeRing(host, handles[1].alloc_layout, 0, 1)
+        while not sent:
+            pool.clock.sleep(1e-5)
+        drained.extend(ring.drain())
+        pool.clock.sleep(1.0)  # idle: no more drains
+
+    pool.run(sender, receiver)
+    assert len(drained) == RING_SLOTS
+
+
+@pytest.mark.sim
+def test_a_drained_ring_shows_its_space_without_another_drain():
+    for seed in range(max(1, SEEDS // 20)):
+        run_ring_idle_receiver(seed)
+
+
+def _crash_run(after, seed, phase="all"):
     """Node 1 allocates and frees runs of chunks, dying after ``after``
-    operations; returns the memory-level check and whether it died."""
+    operations (counted from the start, or from the first free when
+    ``phase`` is "free"); returns whether it died."""
     pool = _sim_pool(seed, 2, chaos=1.0)
-    pool.crash(1, after)
+    if phase == "all":
+        pool.crash(1, after)
 
     def body(host):
         handle = Pool(host, 1, clock=pool.clock, heartbeat=False, local_locks=False)
         first = handle.allocator.alloc_chunks(3)
         second = handle.allocator.alloc_chunks(2)
+        if phase == "free":
+            pool.crash(1, after)
         handle.allocator.free_chunks(first)
         handle.allocator.free_chunks(second)
 
@@ -235,11 +276,15 @@ def test_a_crash_at_any_point_leaves_every_taken_chunk_owned():
     """Every crash point of an alloc/free sequence, with queued flushes
     completing early at random (chaos 1.0): a taken chunk always has its
     owner record, so fsck can attribute it."""
-    for seed in range(max(1, SEEDS // 50)):
+    for seed in range(max(1, SEEDS // 100)):
         after = 0
         while _crash_run(after, seed):
             after += 1
         assert after > 50
+    for seed in range(max(1, SEEDS // 25)):  # the free path alone, more seeds
+        after = 0
+        while _crash_run(after, seed, "free"):
+            after += 1
 
 
 @pytest.mark.sim
@@ -455,11 +500,15 @@ def test_processes_on_several_nodes_never_share_memory(pool_path):
 
 
 def _allocate_forever(path, node, ready):
+    """Allocate and free without end (at most 40 live allocations), so a
+    kill lands in the middle of one."""
     with Pool.open(path, node) as pool:
         rng = random.Random(node)
-        count = 0
+        live, count = [], 0
         while True:
-            pool.alloc(rng.choice([4096, 30_000, 100_000]), timeout=30)
+            live.append(pool.alloc(rng.choice([4096, 30_000, 100_000]), timeout=30))
+            if len(live) > 40:
+                pool.free(live.pop(rng.randrange(len(live))), timeout=30)
             count += 1
             if count == 20:
                 ready.set()

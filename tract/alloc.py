@@ -360,10 +360,10 @@ class Allocator:
         """(first chunk, count, owner) of every allocation whose owner is dead
         and that nothing references."""
         words = self._bitmap() if words is None else words
-        self._fresh_owners(0, self.nchunks)
-        self.region.fence()
         referenced = self.referenced_chunks()
         local_nodes = self.pool.nodes_on_this_host()
+        self._fresh_owners(0, self.nchunks)
+        self.region.fence()
         found = []
         for chunk in range(self.nchunks):
             if not (int(words[chunk // 64]) >> (chunk % 64)) & 1:

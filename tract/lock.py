@@ -168,6 +168,15 @@ class LockSpace:
         self.region.flush(line, LINE)
         self.region.fence()
 
+    def release(self, line: int, fields: dict[int, int]) -> None:
+        """Leave a lock by writing ``fields`` (offset in ``line`` -> value):
+        a fence first, so every flush the holder issued completes before any
+        other node can see the lock free (R3), then write and publish."""
+        self.region.fence()
+        for field, value in fields.items():
+            self.region.store_u64(line + field, value)
+        self.publish(line)
+
     def holder_field(self, value: int, where: str, offset: int) -> int | None:
         """Decode a stored ``node + 1`` (0 = nobody), range-checked (R5)."""
         if value == 0:
@@ -235,11 +244,8 @@ class BakeryLock:
         return self.epoch
 
     def _withdraw(self) -> None:
-        mine = self.space.layout.bakery_line(self.lock, self.space.node)
-        self.space.region.fence()  # the holder's flushes complete before it leaves (R3)
-        self.space.region.store_u64(mine, 0)
-        self.space.region.store_u64(mine + 8, 0)
-        self.space.publish(mine)
+        self.space.release(self.space.layout.bakery_line(self.lock, self.space.node),
+                           {0: 0, 8: 0})
 
     release = _withdraw
     repair = _withdraw
@@ -384,13 +390,8 @@ class ManagedLock:
             self.space.publish(request)
 
     def release(self) -> None:
-        region = self.space.region
-        region.fence()  # the holder's flushes complete before the release is seen (R3)
-        request = self._request
-        seq = region.load_u64(request)
-        region.store_u64(request + 8, seq)
-        region.store_u64(request + 16, seq)
-        self.space.publish(request)
+        seq = self.space.region.load_u64(self._request)  # done and not waiting
+        self.space.release(self._request, {8: seq, 16: seq})
 
     repair = release
 
