@@ -77,11 +77,13 @@ def _manager(args: argparse.Namespace) -> int:
 def _pool_create(args: argparse.Namespace) -> int:
     from tract.pool import Pool
 
-    Pool.create(args.path, _size(args.size), max_nodes=args.max_nodes, lock_mode=args.lock_mode,
+    size = None if args.size is None else _size(args.size)
+    Pool.create(args.path, size, max_nodes=args.max_nodes, lock_mode=args.lock_mode,
                 coherence=args.coherence, flush=args.flush, lease_timeout=args.lease,
                 chunk_size=_size(args.chunk_size), max_objects=args.max_objects,
                 index_capacity=args.index_capacity)
-    print(f"created pool {args.path}: {args.size}, {args.chunk_size} chunks, {args.max_nodes} "
+    print(f"created pool {args.path}: {args.size or 'whole device'}, {args.chunk_size} chunks, "
+          f"{args.max_nodes} "
           f"nodes, {args.lock_mode} locks, coherence {args.coherence}")
     return 0
 
@@ -179,9 +181,10 @@ def main(argv: list[str] | None = None) -> int:
 
     pool = commands.add_parser("pool", help="create, inspect, check and remove pools")
     pool_commands = pool.add_subparsers(dest="pool_command", required=True)
-    create = pool_commands.add_parser("create", help="create a pool file")
-    create.add_argument("path")
-    create.add_argument("--size", required=True, help="bytes, or with K/M/G/T")
+    create = pool_commands.add_parser("create", help="create a pool file or format /dev/daxX.Y")
+    create.add_argument("path", help="pool file, or a device-DAX instance /dev/daxX.Y")
+    create.add_argument("--size", default=None,
+                        help="bytes, or with K/M/G/T (a file needs it; a device: all of it)")
     create.add_argument("--chunk-size", default="2M", help="allocation chunk (power of two)")
     create.add_argument("--max-nodes", type=int, default=16)
     create.add_argument("--max-objects", type=int, default=256, help="object directory records")

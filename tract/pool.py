@@ -46,7 +46,7 @@ from tract.errors import ConfigError, CorruptionError
 from tract.lease import ALIVE, LINE, Clock, NodeTable
 from tract.lock import COHORT_PASSES, LOCK_MODES, Lock, LockLayout, LockManager, LockSpace
 from tract.objects import RECORD_BYTES, ObjectStore
-from tract.region import create_region, open_region
+from tract.region import create_region, is_dax_path, open_region
 
 __all__ = ["DEFAULT_LOCKS", "Pool", "format_pool"]
 
@@ -291,9 +291,20 @@ class Pool:
     # --------------------------------------------------------- lifecycle
 
     @classmethod
-    def create(cls, path: str, size: int, *, flush: str | None = None, coherence: str = "none",
-               mode: int = 0o600, **layout) -> None:
-        """Create a pool file (see `format_pool` for ``layout`` options)."""
+    def create(cls, path: str, size: int | None, *, flush: str | None = None,
+               coherence: str = "none", mode: int = 0o600, **layout) -> None:
+        """Create a pool file of ``size`` bytes, or format a device-DAX
+        instance (``/dev/daxX.Y``: ``size`` bytes of it, or all of it when
+        None); see `format_pool` for ``layout`` options."""
+        if is_dax_path(path):
+            region = open_region(path, size=size, flush=flush, coherence=coherence)
+            try:
+                format_pool(region, **layout)
+            finally:
+                region.close()
+            return
+        if size is None:
+            raise ConfigError(f"a pool file needs a size; {path!r} is not a DAX device")
         region = create_region(path, size, mode=mode, flush=flush, coherence=coherence)
         try:
             format_pool(region, **layout)
@@ -346,6 +357,15 @@ class Pool:
             for name in os.listdir(_LOCAL_DIR):
                 if name.startswith(f"tract-{pool_uuid.hex}-node") and name.endswith(".local"):
                     os.unlink(os.path.join(_LOCAL_DIR, name))
+        if is_dax_path(path):  # a device is not removed: its magic is wiped
+            region = open_region(path, size=HEADER_BYTES)
+            try:
+                region.store_u64(_F["magic"], 0)
+                region.flush(0, LINE)
+                region.fence()
+            finally:
+                region.close()
+            return
         os.unlink(path)
 
     def _space(self) -> LockSpace:
