@@ -48,6 +48,7 @@ import typing
 import numpy as np
 
 from tract._kernels import bitmap
+from tract._native._nodeheap import NOT_MINE
 from tract.errors import CorruptionError, PoolFull
 from tract.lease import ALIVE, LINE
 
@@ -354,7 +355,7 @@ class Allocator:
             return True
         if not self.pool.space.liveness.live(owner.node):
             return True
-        return owner.kind == HEAD and local_pids and not _pid_alive(owner.pid)
+        return owner.kind == HEAD and local_pids and not pid_alive(owner.pid)
 
     def reclaimable(self, words: np.ndarray | None = None) -> list[tuple[int, int, Owner]]:
         """(first chunk, count, owner) of every allocation whose owner is dead
@@ -431,7 +432,7 @@ class Allocator:
     def free(self, offset: int, timeout: float | None = None) -> None:
         """Give back what `alloc` returned, from any node."""
         chunk = self.chunk_of(offset)
-        if self.heap is not None and self.heap.free(offset) != _NOT_MINE:
+        if self.heap is not None and self.heap.free(offset) != NOT_MINE:
             return
         owner = self.owner_fresh(chunk)
         if owner.kind == SLAB:
@@ -486,10 +487,8 @@ class Allocator:
         return drained
 
 
-_NOT_MINE = -1
-
-
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` of this host exists."""
     if pid <= 0 or pid > 1 << 31:
         return False
     try:

@@ -29,7 +29,7 @@ import numpy as np
 
 from tract._native._localmutex import LocalMutex
 from tract._native._nodeheap import NodeHeap
-from tract.alloc import FREE, HEAD, KINDS, OWNER_BYTES, SLAB, TAIL, _pid_alive
+from tract.alloc import FREE, HEAD, KINDS, OWNER_BYTES, SLAB, TAIL, pid_alive
 from tract.errors import CorruptionError
 from tract.lock import _GRANT_STATES, _grant_check
 from tract.pool import SLAB_MIN_BLOCK, Pool, _NodeLocal
@@ -286,7 +286,7 @@ class _Check:
                              f"{owner.node}", lambda c=chunk: self._forget(heap, c))
                 continue
             dead = [offset for offset, pid in used
-                    if offset not in referenced and not _pid_alive(pid)]
+                    if offset not in referenced and not pid_alive(pid)]
             if dead:
                 self.problem("node heap", where, f"{len(dead)} block(s) of {size} bytes in "
                              f"node {node}'s slab at chunk {chunk} belong to processes that "

@@ -41,7 +41,7 @@ from tract import platform
 from tract._native._localmutex import LocalMutex
 from tract._native._lockfast import SLOT_BYTES, ManagerFastPath
 from tract._native._nodeheap import NodeHeap, heap_bytes
-from tract.alloc import AllocLayout, Allocator
+from tract.alloc import AllocLayout, Allocator, pid_alive
 from tract.errors import ConfigError, CorruptionError
 from tract.lease import ALIVE, LINE, Clock, NodeTable
 from tract.lock import COHORT_PASSES, LOCK_MODES, Lock, LockLayout, LockManager, LockSpace
@@ -383,7 +383,7 @@ class Pool:
         heartbeat, epoch, state = self.nodes.read(self.node)
         if first is None:
             pid = self.region.load_u64(self.nodes.line(self.node) + 24)
-            first = state == ALIVE and not _pid_alive(pid)
+            first = state == ALIVE and not pid_alive(pid)
         joined = self.nodes.join(self.node, first)
         if joined != epoch:  # a new incarnation: drop claims the last one left
             for lock in range(self.header.max_locks + 1):
@@ -497,18 +497,6 @@ class Pool:
         self.close()
 
 
-def _pid_alive(pid: int) -> bool:
-    if pid <= 0 or pid > 1 << 31:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 class _NodeLocal:
     """A node's file in /dev/shm: per lock a slot (tier-1 mutex, cohort
     words), the pids of the node's processes that have the pool open, and
@@ -558,7 +546,7 @@ class _NodeLocal:
         for index in range(MEMBERS):
             slot = self.members + index * 8
             member = region.load_u64(slot)
-            if member and not _pid_alive(member):
+            if member and not pid_alive(member):
                 region.store_u64(slot, member := 0)
             if member:
                 others = True
