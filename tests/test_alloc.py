@@ -561,3 +561,13 @@ def test_owner_records_are_range_checked(pool_path):
         report = fsck(pool_path, watch=False)
         assert not report["ok"]
         assert any("does not fit" in p["problem"] for p in report["problems"])
+
+
+def test_a_bad_remote_free_is_set_aside_not_raised(pool_path):
+    _create(pool_path)
+    with Pool.open(pool_path, 0, manager=True) as first, Pool.open(pool_path, 1) as second:
+        offset = first.alloc(4096)
+        second.free(offset)
+        second.free(offset)  # a double free, queued before anyone can tell
+        assert first.allocator.drain() == 1
+        assert first.allocator.rejected and "already free" in first.allocator.rejected[0]

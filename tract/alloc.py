@@ -181,6 +181,7 @@ class Allocator:
         self.node = pool.node
         self.pid = os.getpid()
         self._referrers = []  # callables returning (offset, size) ranges in use
+        self.rejected: list[str] = []  # remote frees that named no block of ours
 
     # ------------------------------------------------------------ records
 
@@ -471,7 +472,10 @@ class Allocator:
             backoff.wait()
 
     def drain(self) -> int:
-        """Free the blocks other nodes queued for this node's slabs."""
+        """Free the blocks other nodes queued for this node's slabs.  An
+        entry that is no block of them (R5: a double free, a bad offset) is
+        set aside in ``rejected`` with the reason, never freed and never
+        raised: the heartbeat thread drains too, and must keep beating."""
         if self.heap is None:
             return 0
         drained = 0
@@ -480,9 +484,11 @@ class Allocator:
                 continue
             for offset in FreeRing(self.region, self.layout, sender, self.node).drain():
                 try:
-                    self.heap.free(offset)
+                    if self.heap.free(offset) == NOT_MINE:
+                        raise ValueError(f"offset {offset} is in no slab of node {self.node}")
                 except ValueError as error:
-                    raise CorruptionError(f"free ring {sender}->{self.node}: {error}") from None
+                    self.rejected.append(f"free ring {sender}->{self.node}: {error}")
+                    continue
                 drained += 1
         return drained
 

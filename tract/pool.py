@@ -42,7 +42,7 @@ from tract._native._localmutex import LocalMutex
 from tract._native._lockfast import SLOT_BYTES, ManagerFastPath
 from tract._native._nodeheap import NodeHeap, heap_bytes
 from tract.alloc import AllocLayout, Allocator, pid_alive
-from tract.errors import ConfigError, CorruptionError
+from tract.errors import ConfigError, CorruptionError, TractError
 from tract.lease import ALIVE, LINE, Clock, NodeTable
 from tract.lock import COHORT_PASSES, LOCK_MODES, Lock, LockLayout, LockManager, LockSpace
 from tract.objects import RECORD_BYTES, ObjectStore
@@ -440,7 +440,10 @@ class Pool:
         seen: dict[int, tuple[int, int, int]] = {}
         while not self._stop.wait(self.header.lease_timeout / 4):
             nodes.beat(self.node)
-            self.allocator.drain()
+            try:
+                self.allocator.drain()
+            except TractError as error:  # a corrupt ring must not stop the heartbeat
+                self.allocator.rejected.append(str(error))
             if cohorting:
                 for index in self._names.values():
                     words = self._fast_path(index).slot_words()
