@@ -21,6 +21,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from tract.alloc import OWNER_BYTES, FreeRing
 from tract.errors import PoolFull
 from tract.fsck import _Check, fsck
+from simnodes import heartbeat
 from tract.pool import Pool, format_pool
 from tract.testing.incoherent import CRASHED, SimPool, SimulationFailure
 
@@ -114,19 +115,11 @@ def run_alloc(seed, nodes=3, rounds=4, chaos=0.2, crash=None):
         if owner not in pool.crashed:  # a dead node's chunks are reclaimed, not freed
             _free(allocator, first)
 
-    def heartbeat(node):
-        def body(host):
-            while node not in handles:
-                pool.clock.sleep(SIM_LEASE / 8)
-            while not finished[node]:
-                handles[node].nodes.beat(node)
-                pool.clock.sleep(SIM_LEASE / 8)
-        return body
-
     if crash is not None:
         pool.crash(*crash)
     threads = [(node, worker(node)) for node in range(nodes)]
-    threads += [(node, heartbeat(node)) for node in range(nodes)]
+    threads += [(node, heartbeat(pool, handles, finished, node, SIM_LEASE / 8))
+                for node in range(nodes)]
     results = pool.run(*threads)
     if pool.lost_updates:
         raise SimulationFailure(f"lost update at {pool.lost_updates[0].line_offset}", seed)

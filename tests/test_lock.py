@@ -13,6 +13,7 @@ import time
 import pytest
 
 from tract.errors import ConfigError, CorruptionError, LeaseLost, LockTimeout
+from simnodes import heartbeat
 from tract.pool import Pool, format_pool
 from tract.testing.incoherent import LINE, SimPool, SimulationFailure
 
@@ -75,15 +76,6 @@ def run_counter(seed, mode, nodes=3, rounds=3, chaos=0.2, crash=None):
             finished[node] = True
         return body
 
-    def heartbeat(node):
-        def body(host):
-            while node not in handles:
-                pool.clock.sleep(SIM_LEASE / 8)
-            while not finished[node]:
-                handles[node].nodes.beat(node)
-                pool.clock.sleep(SIM_LEASE / 8)
-        return body
-
     def manager(host):
         while 0 not in handles:
             pool.clock.sleep(SIM_LEASE / 8)
@@ -92,7 +84,8 @@ def run_counter(seed, mode, nodes=3, rounds=3, chaos=0.2, crash=None):
             pool.clock.sleep(SIM_LEASE / 256 if granting.step() else SIM_LEASE / 16)
 
     threads = [(node, worker(node)) for node in range(nodes)]
-    threads += [(node, heartbeat(node)) for node in range(nodes)]
+    threads += [(node, heartbeat(pool, handles, finished, node, SIM_LEASE / 8))
+                for node in range(nodes)]
     if mode == "manager":
         threads.append((0, manager))
     pool.run(*threads)
