@@ -6,7 +6,10 @@ path; smaller objects come from the node's slab heap
 (`tract._native._nodeheap`, node-local memory), whose slabs are chunks taken
 from the global path, so the common alloc and free touch no pool memory.
 
-Global path (every step under the pool's ``alloc`` lock):
+Global path (every step under the pool's ``alloc`` lock; over a real
+mapping with a manager-mode lock the same steps run natively,
+`tract._native._allocfast`, which hands every case but the common one back
+to the Python steps here):
 
 - the cursor line (next-fit position), the bitmap (bit set = chunk taken) and
   the owner records are written only by the lock holder (R2); the holder
@@ -48,7 +51,9 @@ import typing
 import numpy as np
 
 from tract._kernels import bitmap
+from tract._native._allocfast import ChunkFastPath
 from tract._native._nodeheap import NOT_MINE
+from tract._native._region import Region
 from tract.errors import CorruptionError, PoolFull
 from tract.lease import ALIVE, LINE
 
@@ -181,7 +186,14 @@ class Allocator:
         self.node = pool.node
         self.pid = os.getpid()
         self._referrers = []  # callables returning (offset, size) ranges in use
-        self.rejected: list[str] = []  # remote frees that named no block of ours
+        # the native critical sections over a real mapping, with a manager-mode
+        # lock's fast path; the Python steps (the reference) run otherwise
+        self.fast = ChunkFastPath(
+            self.region, layout.cursor_line, layout.bitmap, layout.bitmap_bytes, layout.owners,
+            self.nchunks, layout.max_nodes, bitmap.first_free_run_address()
+        ) if isinstance(self.region, Region) else None
+        self.rejected: list[str] = []
+        self._alloc_lock = None  # remote frees that named no block of ours
 
     # ------------------------------------------------------------ records
 
@@ -263,66 +275,105 @@ class Allocator:
         if not 1 <= count <= self.nchunks:
             raise PoolFull(f"{count} chunks of {self.chunk_size} bytes requested; the pool has "
                            f"{self.nchunks}")
-        pool, region, layout = self.pool, self.region, self.layout
-        with pool.lock("alloc")(timeout) as lock:
-            region.invalidate(layout.cursor_line, LINE)
-            words = self._bitmap()
-            cursor = region.load_u64(layout.cursor_line)
-            if cursor >= self.nchunks:
-                raise CorruptionError(f"allocator cursor at offset {layout.cursor_line} is "
-                                      f"{cursor}; the pool has {self.nchunks} chunks")
-            if count == 1 and not (int(words[cursor // 64]) >> (cursor % 64)) & 1:
-                first = cursor  # next fit: the cursor's chunk is free
-            else:
-                first = bitmap.first_free_run(words, self.nchunks, count, cursor)
-            if first < 0 and self._reclaim_locked(words):
-                first = bitmap.first_free_run(words, self.nchunks, count, 0)
+        owner = (self.node + 1) | self.pid << 32
+        lock = self._lock()
+        lock.acquire(timeout)
+        try:
+            first = -1 if self.fast is None or lock.fast is None else \
+                self.fast.alloc(count, kind, owner, self.pool.epoch, lock.fast)
             if first < 0:
-                free = bitmap.count_free(words, self.nchunks)
-                raise PoolFull(f"no run of {count} free chunks ({count * self.chunk_size} "
-                               f"bytes) in pool {region.path!r}: {free} of {self.nchunks} "
-                               f"chunks free, none reclaimable")
-            lock.check()  # fencing: still ours before anything is published (R6)
-            # the records share lines with neighbours that other hosts wrote
-            # under the lock: fresh lines before a partial write (R2, R4)
-            self._fresh_owners(first, count)
-            region.fence()
-            owner = (self.node + 1) | self.pid << 32
-            records = _RECORD.pack(owner | kind << 16, pool.epoch, count if kind == HEAD else 1, 0)
-            records += _RECORD.pack(owner | TAIL << 16, pool.epoch, first, 0) * (count - 1)
-            region.copy_in(layout.owner(first), records, nontemporal=False)
-            region.flush(layout.owner(first), count * OWNER_BYTES)
-            region.fence()
-            self._set_bits(first, count, True, words)
-            region.store_u64(layout.cursor_line, (first + count) % self.nchunks)
-            region.flush(layout.cursor_line, LINE)  # fenced by the lock's release (R3)
+                first = self._find(count, lock)
+                lock.check()  # fencing: still ours before anything is published (R6)
+                self._publish(first, count, kind, owner)
+        finally:
+            lock.release()
         return first
 
-    def free_chunks(self, first: int, timeout: float | None = None) -> int:
-        """Give back the extent or slab chunk starting at ``first``; returns
-        its length in chunks."""
+    def _lock(self):
+        """The pool's ``alloc`` lock (taken without ``with``: the global
+        path is a hot path)."""
+        if self._alloc_lock is None:
+            self._alloc_lock = self.pool.lock("alloc")
+        return self._alloc_lock
+
+    def _find(self, count: int, lock) -> int:
+        """First chunk of a free run of ``count`` from the cursor, reclaiming
+        dead allocations when there is none (under ``lock``)."""
+        region, layout = self.region, self.layout
+        region.invalidate(layout.cursor_line, LINE)
+        words = self._bitmap()
+        cursor = region.load_u64(layout.cursor_line)
+        if cursor >= self.nchunks:
+            raise CorruptionError(f"allocator cursor at offset {layout.cursor_line} is "
+                                  f"{cursor}; the pool has {self.nchunks} chunks")
+        if count == 1 and not (int(words[cursor // 64]) >> (cursor % 64)) & 1:
+            return cursor  # next fit: the cursor's chunk is free
+        first = bitmap.first_free_run(words, self.nchunks, count, cursor)
+        if first < 0 and self._reclaim_locked(words, lock):
+            first = bitmap.first_free_run(words, self.nchunks, count, 0)
+        if first < 0:
+            free = bitmap.count_free(words, self.nchunks)
+            raise PoolFull(f"no run of {count} free chunks ({count * self.chunk_size} "
+                           f"bytes) in pool {region.path!r}: {free} of {self.nchunks} "
+                           f"chunks free, none reclaimable")
+        return first
+
+    def _publish(self, first: int, count: int, kind: int, owner: int) -> None:
+        """Owner records, then bits and cursor (under the lock, after the
+        fencing check)."""
+        region, layout = self.region, self.layout
+        # the records share lines with neighbours that other hosts wrote
+        # under the lock: fresh lines before a partial write (R2, R4)
+        self._fresh_owners(first, count)
+        region.fence()
+        records = _RECORD.pack(owner | kind << 16, self.pool.epoch, count if kind == HEAD else 1,
+                               0)
+        records += _RECORD.pack(owner | TAIL << 16, self.pool.epoch, first, 0) * (count - 1)
+        region.copy_in(layout.owner(first), records, nontemporal=False)
+        region.flush(layout.owner(first), count * OWNER_BYTES)
+        region.fence()
+        self._set_bits(first, count, True)
+        region.store_u64(layout.cursor_line, (first + count) % self.nchunks)
+        region.flush(layout.cursor_line, LINE)  # fenced by the lock's release (R3)
+
+    def free_chunks(self, first: int, timeout: float | None = None, kind: int = HEAD) -> int:
+        """Give back the extent (or, ``kind=SLAB``, the slab chunk) starting
+        at ``first``; returns its length in chunks."""
+        lock = self._lock()
+        lock.acquire(timeout)
+        try:
+            count = -1 if self.fast is None or lock.fast is None else \
+                self.fast.free(first, kind, lock.fast)
+            if count < 0:
+                count = self._extent(first, kind)
+                lock.check()
+                self._release(first, count)
+        finally:
+            lock.release()
+        return count
+
+    def _extent(self, first: int, kind: int) -> int:
+        """Chunks of the extent or slab chunk (``kind``) starting at
+        ``first``, its records checked (R5; under the lock)."""
         region = self.region
-        with self.pool.lock("alloc")(timeout) as lock:
-            head = self.owner_fresh(first)
-            if head.kind not in (HEAD, SLAB):
-                raise ValueError(f"chunk {first} (offset {self.offset_of(first)}) does not "
-                                 f"start an allocation: its owner record says "
-                                 f"{KINDS[head.kind]}")
-            count = head.run if head.kind == HEAD else 1
-            if count > 1:
-                self._fresh_owners(first + 1, count - 1)
-                region.fence()
-                tails = np.frombuffer(region.read(self.layout.owner(first + 1),
-                                                  (count - 1) * OWNER_BYTES), dtype=np.uint64)
-                tails = tails.reshape(count - 1, OWNER_BYTES // 8)
-                broken = np.flatnonzero(((tails[:, 0] >> np.uint64(16)) & np.uint64(0xFF) != TAIL)
-                                        | (tails[:, 2] != first))
-                if broken.size:
-                    chunk = first + 1 + int(broken[0])
-                    raise CorruptionError(f"extent at chunk {first} ({count} chunks): chunk "
-                                          f"{chunk}'s owner record is {self.owner(chunk)}")
-            lock.check()
-            self._release(first, count)
+        head = self.owner_fresh(first)
+        if head.kind != kind:
+            raise ValueError(f"chunk {first} (offset {self.offset_of(first)}) does not start "
+                             f"{'an extent' if kind == HEAD else 'a slab chunk'}: its owner "
+                             f"record says {KINDS[head.kind]}")
+        count = head.run if kind == HEAD else 1
+        if count > 1:
+            self._fresh_owners(first + 1, count - 1)
+            region.fence()
+            tails = np.frombuffer(region.read(self.layout.owner(first + 1),
+                                              (count - 1) * OWNER_BYTES), dtype=np.uint64)
+            tails = tails.reshape(count - 1, OWNER_BYTES // 8)
+            broken = np.flatnonzero(((tails[:, 0] >> np.uint64(16)) & np.uint64(0xFF) != TAIL)
+                                    | (tails[:, 2] != first))
+            if broken.size:
+                chunk = first + 1 + int(broken[0])
+                raise CorruptionError(f"extent at chunk {first} ({count} chunks): chunk "
+                                      f"{chunk}'s owner record is {self.owner(chunk)}")
         return count
 
     def _release(self, first: int, count: int, words: np.ndarray | None = None) -> None:
@@ -380,8 +431,10 @@ class Allocator:
                 found.append((chunk, count, owner))
         return found
 
-    def _reclaim_locked(self, words: np.ndarray) -> int:
+    def _reclaim_locked(self, words: np.ndarray, lock) -> int:
         reclaimed = self.reclaimable(words)
+        if reclaimed:
+            lock.check()
         for chunk, count, _ in reclaimed:
             self._release(chunk, count, words)
         return len(reclaimed)
@@ -435,6 +488,10 @@ class Allocator:
         chunk = self.chunk_of(offset)
         if self.heap is not None and self.heap.free(offset) != NOT_MINE:
             return
+        if self.fast is not None and offset == self.base + chunk * self.chunk_size \
+                and self.fast.fresh_kind(chunk) == HEAD:
+            self.free_chunks(chunk, timeout)  # the common case; checked under the lock
+            return
         owner = self.owner_fresh(chunk)
         if owner.kind == SLAB:
             if owner.node == self.node:
@@ -454,7 +511,7 @@ class Allocator:
         trimmed = 0
         for chunk, _, used in self.heap.slabs():
             if not used and self.heap.drop_slab(chunk):
-                self.free_chunks(chunk, timeout)
+                self.free_chunks(chunk, timeout, SLAB)
                 trimmed += 1
         return trimmed
 

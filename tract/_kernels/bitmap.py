@@ -5,11 +5,14 @@ chunk ``i``, set when the chunk is allocated.  Only the first ``nbits`` bits
 count.  Twins: ``tests/naive.py`` (``first_free_run``, ``count_free``).
 """
 
+import functools
+
+import numba
 import numpy as np
 
-from tract._kernels.config import kernel
+from tract._kernels.config import c_kernel, kernel
 
-__all__ = ["count_free", "first_free_run"]
+__all__ = ["count_free", "first_free_run", "first_free_run_address"]
 
 
 @kernel
@@ -50,6 +53,22 @@ def _first_free_run(words, nbits, count, start):
                     return bit - count + 1
             bit += 1
     return -1
+
+
+@functools.cache
+def first_free_run_address() -> int:
+    """Address of ``_first_free_run`` as a C function ``int64 (const uint64
+    *words, int64 nwords, int64 nbits, int64 count, int64 start)``, for
+    native callers that scan a bitmap in place (`tract._native._allocfast`);
+    compiled (or loaded from the cache) on first use."""
+    types = numba.types
+
+    @c_kernel(types.int64(types.CPointer(types.uint64), types.int64, types.int64, types.int64,
+                          types.int64))
+    def scan(words, nwords, nbits, count, start):
+        return _first_free_run(numba.carray(words, nwords), nbits, count, start)
+
+    return scan.address
 
 
 def _check(words: np.ndarray, nbits: int) -> None:

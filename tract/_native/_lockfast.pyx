@@ -94,14 +94,6 @@ cdef class ManagerFastPath:
     node-local slot.  Offsets are checked here once; every call checks that
     neither mapping was closed since."""
 
-    cdef Region pool
-    cdef Region local_region
-    cdef LocalMutex mutex
-    cdef int64_t slot, request, manager_line, grant_base, last_grant
-    cdef uint64_t me, max_nodes, passes_bound
-    cdef public uint64_t epoch
-    cdef readonly uint64_t seq
-
     def __cinit__(self, Region pool, Region local_region, LocalMutex mutex, int64_t slot,
                   int64_t request, int64_t manager_line, int64_t grant_base, int node,
                   int max_nodes, int passes_bound):
@@ -132,15 +124,17 @@ cdef class ManagerFastPath:
 
     # ------------------------------------------------------------- tier 2
 
-    cdef inline volatile uint64_t *_fresh_grant(self, uint64_t *manager_epoch) noexcept nogil:
-        """`ManagedLock._current`: the current manager's grant line, fresh
-        (NULL when no manager is named, or one out of range)."""
+    cdef void invalidate_grant(self) noexcept nogil:
+        """Drop the manager line and the last grant line read (the caller fences)."""
+        tract_lines(self.pool._invalidate_insn, self.pool._base + self.manager_line, LINE)
+        if self.last_grant >= 0:
+            tract_lines(self.pool._invalidate_insn, self.pool._base + self.last_grant, LINE)
+
+    cdef volatile uint64_t *_grant_fenced(self, uint64_t *manager_epoch) noexcept nogil:
+        """After `invalidate_grant` and a fence: the current manager's grant
+        line, fresh (NULL when no manager is named, or one out of range)."""
         cdef char *base = self.pool._base
         cdef int64_t line
-        tract_lines(self.pool._invalidate_insn, base + self.manager_line, LINE)
-        if self.last_grant >= 0:
-            tract_lines(self.pool._invalidate_insn, base + self.last_grant, LINE)
-        tract_fence()
         cdef volatile uint64_t *manager = <volatile uint64_t *>(base + self.manager_line)
         cdef uint64_t node = manager[0]
         manager_epoch[0] = manager[1]
@@ -153,7 +147,13 @@ cdef class ManagerFastPath:
             tract_fence()
         return <volatile uint64_t *>(base + line)
 
-    cdef inline bint _mine(self, volatile uint64_t *grant, uint64_t manager_epoch) noexcept nogil:
+    cdef volatile uint64_t *_fresh_grant(self, uint64_t *manager_epoch) noexcept nogil:
+        """`ManagedLock._current`: the current manager's grant line, fresh."""
+        self.invalidate_grant()
+        tract_fence()
+        return self._grant_fenced(manager_epoch)
+
+    cdef bint _mine(self, volatile uint64_t *grant, uint64_t manager_epoch) noexcept nogil:
         """A whole grant line, in range, granting this node under the current manager."""
         return (grant != NULL and _grant_check(grant) == grant[5] and grant[0] == self.me
                 and grant[1] == STATE_GRANTED and grant[4] == manager_epoch)
@@ -213,12 +213,18 @@ cdef class ManagerFastPath:
         self._slot()
         return self._attempt()
 
+    cdef bint granted_fenced(self) noexcept nogil:
+        """After `invalidate_grant` and a fence: `still_granted`."""
+        cdef uint64_t manager_epoch
+        cdef volatile uint64_t *grant = self._grant_fenced(&manager_epoch)
+        return self._mine(grant, manager_epoch) and grant[3] == self.epoch
+
     def still_granted(self):
         """`ManagedLock.still_granted` (False also for a torn or bad line)."""
         self._slot()
-        cdef uint64_t manager_epoch
-        cdef volatile uint64_t *grant = self._fresh_grant(&manager_epoch)
-        return self._mine(grant, manager_epoch) and grant[3] == self.epoch
+        self.invalidate_grant()
+        tract_fence()
+        return self.granted_fenced()
 
     def release(self):
         """Hand the tier-2 hold to a local waiter (cohorting) or give it
