@@ -180,6 +180,33 @@ def test_lost_update_when_two_hosts_write_one_line():
         b.fence()
 
 
+def test_a_line_written_whole_without_reading_it_replaces_memory():
+    pool = SimPool(2 * LINE, hosts=2, chaos=0)
+    a, b = pool.hosts
+    a.store_u64(0, 1)
+    a.flush(0, 8)
+    a.fence()
+    b.copy_in(0, bytes(range(64)), nontemporal=False)  # b's copy predates a's store
+    b.flush(0, LINE)
+    b.fence()
+    assert not pool.lost_updates and pool.memory[:64].tobytes() == bytes(range(64))
+
+
+def test_a_stale_line_read_then_written_whole_is_a_lost_update():
+    pool = SimPool(2 * LINE, hosts=2, chaos=0)
+    a, b = pool.hosts
+    a.store_u64(0, 1)
+    a.flush(0, 8)
+    a.fence()
+    words = [b.load_u64(8 * index) | 2 for index in range(8)]  # read-modify-write, stale
+    for index, word in enumerate(words):
+        b.store_u64(8 * index, word)
+    b.flush(0, LINE)
+    b.fence()
+    (lost,) = pool.lost_updates
+    assert (lost.host, lost.overwritten_host, lost.offsets) == (1, 0, [0])
+
+
 def test_writes_through_a_view_are_written_back():
     pool = SimPool(2 * LINE, hosts=2, chaos=0)
     a, b = pool.hosts

@@ -237,6 +237,19 @@ class Allocator:
         self.region.invalidate(self.layout.owner(first), count * OWNER_BYTES,
                                payload=count > 16)
 
+    def _fresh_partial_lines(self, first: int, count: int) -> None:
+        """Before records [first, first + count) are written: fresh copies of
+        the lines they share with neighbours, which other hosts wrote under
+        the lock (R2, R4; a line written whole needs none), fenced."""
+        start = self.layout.owner(first)
+        end = start + count * OWNER_BYTES
+        partial = {line for line in (start // LINE, (end - 1) // LINE)
+                   if line * LINE < start or (line + 1) * LINE > end}
+        for line in sorted(partial):
+            self.region.invalidate(line * LINE, LINE)
+        if partial:
+            self.region.fence()
+
     def _bitmap(self) -> np.ndarray:
         """The whole bitmap, fresh (one bulk invalidate, one fence)."""
         layout = self.layout
@@ -322,10 +335,7 @@ class Allocator:
         """Owner records, then bits and cursor (under the lock, after the
         fencing check)."""
         region, layout = self.region, self.layout
-        # the records share lines with neighbours that other hosts wrote
-        # under the lock: fresh lines before a partial write (R2, R4)
-        self._fresh_owners(first, count)
-        region.fence()
+        self._fresh_partial_lines(first, count)
         records = _RECORD.pack(owner | kind << 16, self.pool.epoch, count if kind == HEAD else 1,
                                0)
         records += _RECORD.pack(owner | TAIL << 16, self.pool.epoch, first, 0) * (count - 1)

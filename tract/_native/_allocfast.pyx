@@ -29,8 +29,9 @@ Rules relied on (DESIGN.md): R2 — every line written here is written only by
 the ``alloc`` lock's holder; R3 — owner records are flushed and fenced before
 the bits that publish them, bits before the records they retire; the final
 flushes are fenced by the lock's release; R4 — cursor, bitmap, records and
-the grant are invalidated and fenced before they are read, and records
-before they are written (their lines are shared with neighbours); R5 — as above; R6 — the
+the grant are invalidated and fenced before they are read, and a record line
+shared with a neighbour before it is partly written (a line written whole
+replaces memory whatever was cached); R5 — as above; R6 — the
 grant is checked after the last read and before the first write.
 """
 
@@ -118,6 +119,21 @@ cdef class ChunkFastPath:
             words[index] = (words[index] | mask) if value else (words[index] & ~mask)
         self._bitmap_lines(base, self.pool._flush_insn, first, end)
 
+    cdef void _fresh_partial_lines(self, char *base, int64_t first, int64_t count) noexcept nogil:
+        """`Allocator._fresh_partial_lines`: before records [first, first +
+        count) are written, fresh copies of the lines they share with
+        neighbours (a line written whole needs none), fenced."""
+        cdef int64_t start = self.owners + first * OWNER_BYTES
+        cdef int64_t end = start + count * OWNER_BYTES
+        cdef bint head = start % LINE != 0
+        cdef bint tail = end % LINE != 0 and (not head or (end - 1) // LINE != start // LINE)
+        if head:
+            tract_lines(self.pool._invalidate_insn, base + start, 1)
+        if tail:
+            tract_lines(self.pool._invalidate_insn, base + end - 1, 1)
+        if head or tail:
+            tract_fence()
+
     def alloc(self, int64_t count, int kind, uint64_t owner, uint64_t epoch,
               ManagerFastPath granted not None):
         """Take a run of ``count`` chunks for ``owner`` (the record word
@@ -145,10 +161,7 @@ cdef class ChunkFastPath:
             first = self.scan(words, self.bitmap_bytes // 8, self.nchunks, count, cursor)
         if first < 0 or not granted.granted_fenced():
             return -1
-        tract_lines(self.pool._payload_insn if count > PAYLOAD_OWNERS
-                    else self.pool._invalidate_insn,
-                    <char *>self._record(base, first), count * OWNER_BYTES)
-        tract_fence()
+        self._fresh_partial_lines(base, first, count)
         record = self._record(base, first)
         record[0] = owner | <uint64_t>kind << 16
         record[1] = epoch

@@ -9,7 +9,9 @@ runs on it unchanged.  A host sees the pool through a private copy, its
 
 - a snapshot of what it last fetched, and the memory version it fetched;
 - a dirty mark (any store; bytes written through a view are found by
-  comparing the line with its snapshot).
+  comparing the line with its snapshot);
+- which bytes it stored through the interface since the fetch, and whether
+  it read the line while it was stale.
 
 Cache semantics, as on x86 with clflushopt/clwb (and aarch64 dc + dsb):
 
@@ -27,7 +29,10 @@ Cache semantics, as on x86 with clflushopt/clwb (and aarch64 dc + dsb):
   luck shows up as a livelock.
 
 Detection.  A write-back that overwrites bytes another host wrote back after
-this host fetched the line is a `LostUpdate` (R2 broken); a read of a line
+this host fetched the line is a `LostUpdate` (R2 broken), unless this host
+stored every byte of the line since the fetch and never read it stale: a
+line written whole replaces memory on the hardware too, whatever was cached
+before (a read-modify-write of a stale line is still caught); a read of a line
 that another host has written back since this host fetched it is a
 `StaleRead` (R4 broken).  Both are recorded with offsets, hosts and a short
 trace; ``raise_on_lost_update`` / ``raise_on_stale_read`` raise at once.
@@ -293,6 +298,8 @@ class SimPool:
         dead._snapshot[:] = self.memory
         dead._fetched[:] = self.version
         dead._marked[:] = False
+        dead._stored[:] = False
+        dead._read_stale[:] = False
         self.trace.append(f"h{host} crashed")
         raise _Crashed()
 
@@ -369,6 +376,8 @@ class SimHost:
         self._snapshot = pool.memory.copy()
         self._fetched = pool.version.copy()
         self._marked = numpy.zeros(len(pool.version), dtype=bool)
+        self._stored = numpy.zeros(len(pool.memory), dtype=bool)  # since each line's fetch
+        self._read_stale = numpy.zeros(len(pool.version), dtype=bool)
         # Per simulated thread (a core): line -> "flush" | "invalidate" |
         # "writeback".  A fence completes only its own thread's queue.
         self._queues: dict[int | None, dict[int, str]] = {}
@@ -451,6 +460,7 @@ class SimHost:
         source = numpy.frombuffer(memoryview(src).cast("B"), dtype=numpy.uint8)
         self._check(offset, source.nbytes)
         self._write_lines(offset, source.nbytes, "copy_in")
+        self._stored[offset:offset + source.nbytes] = True
         self._cache[offset:offset + source.nbytes] = source
         if nontemporal:
             # Streaming stores and the closing sfence: in memory on return.
@@ -462,6 +472,7 @@ class SimHost:
             raise ValueError(f"fill byte {byte} is not in 0..255")
         self._check(offset, length)
         self._write_lines(offset, length, "fill")
+        self._stored[offset:offset + length] = True
         self._cache[offset:offset + length] = byte
 
     def compare_exchange_u64(self, offset: int, expected: int, desired: int) -> int:
@@ -514,6 +525,7 @@ class SimHost:
         if not 0 <= value < 1 << (width * 8):
             raise OverflowError(f"value {value!r} does not fit in u{width * 8} at offset {offset}")
         self._write_lines(offset, width, f"store_u{width * 8}")
+        self._stored[offset:offset + width] = True
         self._cache[offset:offset + width] = numpy.frombuffer(
             value.to_bytes(width, "little"), dtype=numpy.uint8)
 
@@ -523,6 +535,7 @@ class SimHost:
             pool._step(self.index, what, line)
             writer = int(pool.last_writer[line])
             if pool.version[line] > self._fetched[line] and writer != self.index:
+                self._read_stale[line] = True
                 record = StaleRead(line * LINE, self.index, writer, list(pool.trace))
                 pool.stale_reads.append(record)
                 if pool.raise_on_stale_read:
@@ -570,7 +583,8 @@ class SimHost:
             return
         pool = self.pool
         span = slice(line * LINE, (line + 1) * LINE)
-        if pool.version[line] != self._fetched[line]:
+        blind_whole = self._stored[span].all() and not self._read_stale[line]
+        if pool.version[line] != self._fetched[line] and not blind_whole:
             memory, mine = pool.memory[span], self._cache[span]
             clobbered = numpy.flatnonzero((memory != self._snapshot[span]) & (mine != memory))
             if clobbered.size:
@@ -587,6 +601,12 @@ class SimHost:
         self._snapshot[span] = self._cache[span]
         self._fetched[line] = pool.version[line]
         self._marked[line] = False
+        self._forget(line)
+
+    def _forget(self, line: int) -> None:
+        """A fetch (or write-back) starts the line's store and stale-read record afresh."""
+        self._stored[line * LINE:(line + 1) * LINE] = False
+        self._read_stale[line] = False
 
     def _refetch(self, line: int) -> None:
         self._write_back(line)
@@ -595,3 +615,4 @@ class SimHost:
         self._cache[span] = pool.memory[span]
         self._snapshot[span] = pool.memory[span]
         self._fetched[line] = pool.version[line]
+        self._forget(line)
