@@ -18,3 +18,148 @@ def first_free_run(words, nbits, count, start=0):
             if run == count:
                 return index - count + 1
     return -1
+
+
+# ------------------------------------------------------------ block hashes
+
+_M64 = 2**64 - 1
+
+
+def _rotl(x, b):
+    return ((x << b) | (x >> (64 - b))) & _M64
+
+
+def siphash(data, k0, k1, c=1, d=3, wide=True):
+    """SipHash-c-d of ``data`` (bytes), 128-bit (low, high) or 64-bit."""
+    v = [k0 ^ 0x736F6D6570736575, k1 ^ 0x646F72616E646F6D,
+         k0 ^ 0x6C7967656E657261, k1 ^ 0x7465646279746573]
+    if wide:
+        v[1] ^= 0xEE
+
+    def rounds(n):
+        for _ in range(n):
+            v[0] = (v[0] + v[1]) & _M64
+            v[1] = _rotl(v[1], 13) ^ v[0]
+            v[0] = _rotl(v[0], 32)
+            v[2] = (v[2] + v[3]) & _M64
+            v[3] = _rotl(v[3], 16) ^ v[2]
+            v[0] = (v[0] + v[3]) & _M64
+            v[3] = _rotl(v[3], 21) ^ v[0]
+            v[2] = (v[2] + v[1]) & _M64
+            v[1] = _rotl(v[1], 17) ^ v[2]
+            v[2] = _rotl(v[2], 32)
+
+    whole = len(data) // 8 * 8
+    words = [int.from_bytes(data[i:i + 8], "little") for i in range(0, whole, 8)]
+    words.append(int.from_bytes(data[whole:], "little") | (len(data) & 0xFF) << 56)
+    for m in words:
+        v[3] ^= m
+        rounds(c)
+        v[0] ^= m
+    v[2] ^= 0xEE if wide else 0xFF
+    rounds(d)
+    low = v[0] ^ v[1] ^ v[2] ^ v[3]
+    if not wide:
+        return low
+    v[1] ^= 0xDD
+    rounds(d)
+    return low, v[0] ^ v[1] ^ v[2] ^ v[3]
+
+
+def _chain(tokens, block_size, parent, digest):
+    hashes = []
+    for block in range(len(tokens) // block_size):
+        chunk = tokens[block * block_size:(block + 1) * block_size]
+        message = b"".join(int(t).to_bytes(4, "little") for t in chunk)
+        message += parent[0].to_bytes(8, "little") + parent[1].to_bytes(8, "little")
+        parent = digest(message)
+        hashes.append(parent)
+    return hashes
+
+
+def keyed_chain(tokens, block_size, k0, k1, parent):
+    """[(low, high)] of each full block: SipHash-1-3-128(tokens || parent)."""
+    return _chain(tokens, block_size, parent, lambda m: siphash(m, k0, k1))
+
+
+def fast_chain(tokens, block_size, seed, parent):
+    """[(low, high)] of each full block: XXH3-128(tokens || parent, seed),
+    by the ``xxhash`` package."""
+    import xxhash
+
+    def digest(message):
+        value = xxhash.xxh3_128_intdigest(message, seed)
+        return value & _M64, value >> 64
+    return _chain(tokens, block_size, parent, digest)
+
+
+# ------------------------------------------------------------ index probes
+
+EMPTY, WRITING, READY, EVICTING, TOMBSTONE = 0, 1, 2, 3, 4
+HIT, MISS, BUSY, CONTINUE, FREE, EXISTS = 0, 1, 2, 3, 4, 5
+
+
+def entry_check(entry):
+    check = 0x5452414354494458
+    for word in entry[:7]:
+        check = ((check ^ int(word)) * 0x100000001B3 + 0x9E3779B97F4A7C15) & _M64
+    return check
+
+
+def _decode(entry):
+    entry = [int(word) for word in entry]
+    return {"empty": not any(entry), "whole": entry[7] == entry_check(entry),
+            "key": (entry[0], entry[1]), "state": entry[3] & 0xFF,
+            "writer": ((entry[3] >> 8) & 0xFFFF) - 1, "epoch": entry[6] & 0xFFFFFFFF}
+
+
+def probe_lookup(keys, lines):
+    """[(code, position)] per key: the first whole entry of the key decides."""
+    result = []
+    for key, window in zip(keys, lines):
+        key = (int(key[0]), int(key[1]))
+        outcome = (CONTINUE, -1)
+        for position, entry in enumerate(window):
+            e = _decode(entry)
+            if e["empty"]:
+                outcome = (MISS, position)
+                break
+            if e["whole"] and e["key"] == key and e["state"] in (READY, WRITING, EVICTING):
+                outcome = (HIT if e["state"] == READY else BUSY, position)
+                break
+        result.append(outcome)
+    return result
+
+
+def probe_reserve(keys, lines, slots, live_epochs, complete=False):
+    """[(code, position)] per key, keys in turn, with the slots taken by
+    earlier keys of the batch held in a dict (slot -> key)."""
+    taken, result = {}, []
+    for key, window, window_slots in zip(keys, lines, slots):
+        key = (int(key[0]), int(key[1]))
+        outcome, reusable = (CONTINUE, -1), None
+        for position, (entry, slot) in enumerate(zip(window, window_slots)):
+            slot = int(slot)
+            if slot in taken:
+                if taken[slot] == key:
+                    outcome = (EXISTS, position)
+                    break
+                continue
+            e = _decode(entry)
+            if e["empty"]:
+                outcome = (FREE, position if reusable is None else reusable)
+                break
+            dead = (e["state"] == WRITING and e["whole"]
+                    and not (0 <= e["writer"] < len(live_epochs)
+                             and int(live_epochs[e["writer"]]) == e["epoch"]))
+            if e["whole"] and e["key"] == key and e["state"] != TOMBSTONE and not dead:
+                outcome = (EXISTS, position)
+                break
+            if reusable is None and (not e["whole"] or e["state"] == TOMBSTONE or dead):
+                reusable = position
+        if outcome[0] == CONTINUE and complete and reusable is not None:
+            outcome = (FREE, reusable)
+        if outcome[0] == FREE:
+            taken[int(window_slots[outcome[1]])] = key
+        result.append(outcome)
+    return result

@@ -341,7 +341,7 @@ class Allocator:
         records += _RECORD.pack(owner | TAIL << 16, self.pool.epoch, first, 0) * (count - 1)
         region.copy_in(layout.owner(first), records, nontemporal=False)
         region.flush(layout.owner(first), count * OWNER_BYTES)
-        region.fence()
+        # the bits are read fresh, after a fence: it puts the records in memory first (R3)
         self._set_bits(first, count, True)
         region.store_u64(layout.cursor_line, (first + count) % self.nchunks)
         region.flush(layout.cursor_line, LINE)  # fenced by the lock's release (R3)
@@ -504,9 +504,11 @@ class Allocator:
             return
         owner = self.owner_fresh(chunk)
         if owner.kind == SLAB:
-            if owner.node == self.node:
+            if owner.node == self.node and owner.epoch == self.pool.epoch:
                 raise ValueError(f"offset {offset} is in chunk {chunk}, a slab of this node, "
                                  f"but not a block its heap has given out")
+            if owner.node == self.node or self.dead_owner(owner, False):
+                return  # a slab of an incarnation that is gone: it returns with its chunks
             self._free_remote(owner, offset)
             return
         if owner.kind != HEAD or self.offset_of(chunk) != offset:

@@ -8,8 +8,8 @@ What is checked (every read fresh, R4; nothing trusted, R5):
   exactly one of *free* (bit clear, no owner), *owned* (bit set, a live
   owner, nothing references it) or *referenced* (bit set, an object record
   points into it); extents whole (a head whose tails point back at it);
-- the object directory: every record whole, in range and pointing at
-  allocated chunks;
+- the object directory and the prefix index: every record and entry whole,
+  in range and pointing at allocated chunks;
 - the slab heaps of the nodes on this host: every slab is the node's in the
   pool, and no block belongs to a process that is gone unless referenced.
 
@@ -18,9 +18,10 @@ a node epoch that is not current, a node that left or whose heartbeat stood
 still for a lease (fsck watches the heartbeats for one lease first), or, on
 this host, an extent's process that is gone.
 
-``--repair`` (as node K, under the ``alloc`` and ``objects`` locks) clears
-stale owner records, returns leaked chunks and blocks of dead owners,
-tombstones torn object records and ones pointing at free chunks.
+``--repair`` (as node K, under the ``alloc``, ``objects`` and ``index``
+locks) clears stale owner records, returns leaked chunks and blocks of dead
+owners, tombstones torn object records and index entries and ones pointing
+at free chunks.
 """
 
 from __future__ import annotations
@@ -76,7 +77,8 @@ class _Check:
             self._observe()
         if self.repair:
             with self.pool.lock("alloc")(self.header.lease_timeout * 4), \
-                    self.pool.lock("objects")(self.header.lease_timeout * 4):
+                    self.pool.lock("objects")(self.header.lease_timeout * 4), \
+                    self.pool.lock("index")(self.header.lease_timeout * 4):
                 chunks = self._allocator()
         else:
             chunks = self._allocator()
@@ -125,21 +127,38 @@ class _Check:
 
     # ------------------------------------------------------------ allocator
 
-    def _objects(self) -> tuple[dict[int, list], list]:
-        """chunk -> object records pointing into it; every record slot."""
+    def _objects(self) -> dict[int, list]:
+        """chunk -> [(area, record offset, what, fix)] of the object records
+        and index entries that point into it."""
         referenced: dict[int, list] = {}
-        slots = self.pool.objects.scan()
-        for index, state, record, problem in slots:
-            where = self.pool.objects.offset + index * 128
+
+        def refer(offset, size, area, where, what, fix):
+            for chunk in range(self.allocator.chunk_of(offset),
+                               self.allocator.chunk_of(offset + size - 1) + 1):
+                referenced.setdefault(chunk, []).append((area, where, what, fix))
+
+        objects = self.pool.objects
+        for index, state, record, problem in objects.scan():
+            where = objects.offset + index * 128
             if state == "bad":
                 self.problem("objects", where, problem,
                              lambda index=index: self._tombstone(index, "torn record cleared"))
             elif state == "live":
-                first = self.allocator.chunk_of(record.offset)
-                last = self.allocator.chunk_of(record.offset + record.size - 1)
-                for chunk in range(first, last + 1):
-                    referenced.setdefault(chunk, []).append((index, record))
-        return referenced, slots
+                refer(record.offset, record.size, "objects", where, f"object {record.name!r}",
+                      lambda i=index: self._tombstone(i, "dangling record removed"))
+        index = self.pool.index
+        for slot, state, payload, problem in index.scan():
+            where = index.base + slot * 64
+            fix = lambda s=slot: self._clear_entry(s)  # noqa: E731
+            if state == "bad":
+                self.problem("index", where, problem, fix)
+            elif payload is not None:
+                refer(*payload, "index", where, f"index entry {slot} ({state})", fix)
+        return referenced
+
+    def _clear_entry(self, slot: int) -> str:
+        self.pool.index.clear(slot)
+        return "entry made a tombstone"
 
     def _tombstone(self, index: int, what: str) -> str:
         self.pool.objects.clear(index)
@@ -161,7 +180,7 @@ class _Check:
         if beyond.size:
             self.problem("allocator", layout.bitmap, f"bits set past the last chunk: "
                          f"{beyond[:8].tolist()}")
-        referenced, _ = self._objects()
+        referenced = self._objects()
         local = self.pool.nodes_on_this_host()
         counts = dict(free=0, owned=0, referenced=0, slab=0, leaked=0)
         owners = {}
@@ -182,10 +201,8 @@ class _Check:
                     self.problem("allocator", where, f"chunk {chunk} is free in the bitmap but "
                                  f"its owner record says {KINDS[owner.kind]} of node "
                                  f"{owner.node}", lambda c=chunk: self._clear_owner(c))
-                for index, record in referenced.get(chunk, []):
-                    self.problem("objects", self.pool.objects.offset + index * 128,
-                                 f"object {record.name!r} points into free chunk {chunk}",
-                                 lambda i=index: self._tombstone(i, "dangling record removed"))
+                for area, where_ref, what, fix in referenced.get(chunk, []):
+                    self.problem(area, where_ref, f"{what} points into free chunk {chunk}", fix)
                 counts["free"] += 1
                 chunk += 1
                 continue
@@ -253,7 +270,8 @@ class _Check:
     def _slabs(self) -> None:
         """The node heaps of this host's nodes (their node-local files)."""
         header, pool = self.header, self.pool
-        referenced = {record.offset for record in pool.objects.list()}
+        referenced = {record.offset for record in pool.objects.list()} | \
+            {offset for offset, _ in pool.index.referenced()}
         _, heap_offset, size = _NodeLocal.shape(header)
         for node in sorted(pool.nodes_on_this_host()):
             path = _NodeLocal.path_of(header, node)

@@ -45,6 +45,7 @@ from tract.alloc import AllocLayout, Allocator, pid_alive
 from tract.errors import ConfigError, CorruptionError, TractError
 from tract.lease import ALIVE, LINE, Clock, NodeTable
 from tract.lock import COHORT_PASSES, LOCK_MODES, Lock, LockLayout, LockManager, LockSpace
+from tract.index import Index
 from tract.objects import RECORD_BYTES, ObjectStore
 from tract.region import create_region, is_dax_path, open_region
 
@@ -219,6 +220,7 @@ class Header:
         self.coherence_name = platform.COHERENCE_MODES[self.coherence]
         self.lease_timeout = self.lease_us / 1e6
         self.heap_end = self.heap + self.nchunks * self.chunk_size
+        self.index_node_bytes = _round_up(self.index_capacity * INDEX_NODE_WORD, LINE)
         self.lock_names = []
         for index in range(self.max_locks):
             raw = region.read(self.names + index * NAME_BYTES, NAME_BYTES).rstrip(b"\0")
@@ -281,6 +283,8 @@ class Pool:
         self.objects = ObjectStore(self, header.objects, header.max_objects,
                                    (header.heap, header.heap_end))
         self.allocator.add_referrer(lambda: [(r.offset, r.size) for r in self.objects.list()])
+        self.index = Index(self)
+        self.allocator.add_referrer(self.index.referenced)
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         if heartbeat:
@@ -397,6 +401,11 @@ class Pool:
                 self.region.store_u64(ticket, 0)
                 self.region.store_u64(ticket + 8, 0)
                 self.space.publish(ticket)
+            # the last incarnation's processes are gone, and their index pins
+            pins = self.header.index_nodes + self.node * self.header.index_node_bytes
+            self.region.fill(pins, self.header.index_node_bytes, 0)
+            self.region.flush(pins, self.header.index_node_bytes)
+            self.region.fence()
         return joined
 
     def nodes_on_this_host(self) -> set[int]:

@@ -12,9 +12,12 @@ import numba
 CACHE = os.environ.get("TRACT_NUMBA_CACHE", "1") != "0"
 
 
-def kernel(function):
-    """Compile ``function`` as a tract kernel: nopython, no GIL, cached."""
-    return numba.njit(cache=CACHE, nogil=True)(function)
+def kernel(function=None, *, inline: str = "never"):
+    """Compile ``function`` as a tract kernel: nopython, no GIL, cached;
+    ``inline="always"`` for the small helpers of a kernel."""
+    if function is None:
+        return lambda function: kernel(function, inline=inline)
+    return numba.njit(cache=CACHE, nogil=True, inline=inline)(function)
 
 
 def c_kernel(signature):

@@ -301,6 +301,23 @@ static inline uint64_t tract_add_u64(uint64_t *addr, int64_t delta)
     return __atomic_add_fetch(addr, (uint64_t)delta, __ATOMIC_SEQ_CST);
 }
 
+/* Add ``delta`` to a u32 atomically unless the result would leave
+ * 0..2^32-1; returns the value found.  Atomic among the processes of one
+ * host (its caches are coherent): for pool lines only this host's node
+ * writes (R2), e.g. a node's pin counters. */
+static inline uint32_t tract_add_u32_bounded(uint32_t *addr, int64_t delta)
+{
+    uint32_t old = __atomic_load_n(addr, __ATOMIC_SEQ_CST);
+    for (;;) {
+        int64_t sum = (int64_t)old + delta;
+        if (sum < 0 || sum > (int64_t)UINT32_MAX)
+            return old;
+        if (__atomic_compare_exchange_n(addr, &old, (uint32_t)sum, 0, __ATOMIC_SEQ_CST,
+                                        __ATOMIC_SEQ_CST))
+            return old;
+    }
+}
+
 /* Atomic load of a u64 (sequentially consistent), node-local memory. */
 static inline uint64_t tract_load_u64(const uint64_t *addr)
 {

@@ -23,3 +23,4 @@ cdef class Region:
 
     cdef int _check(self, int64_t offset, int64_t length) except -1
     cdef int _check_aligned(self, int64_t offset, int width) except -1
+    cdef int _check_lines(self, const int64_t[::1] offsets, int width) except -1

@@ -45,6 +45,7 @@ cdef extern from "_cachectl.h" nogil:
     void tract_load_fence() noexcept
     void tract_copy_in_nt(int kind, int insn, char *dst, const char *src, size_t n) noexcept
     uint64_t tract_cas_u64(uint64_t *addr, uint64_t expected, uint64_t desired) noexcept
+    uint32_t tract_add_u32_bounded(uint32_t *addr, int64_t delta) noexcept
 
 LINE = TRACT_LINE
 BUILD_PATH = TRACT_BUILD_PATH.decode()
@@ -349,6 +350,86 @@ cdef class Region:
             raise ValueError(f"fill byte {byte} is not in 0..255")
         with nogil:
             memset(self._base + offset, byte, length)
+
+    # ---------------------------------------------------- batches of lines
+
+    cdef int _check_lines(self, const int64_t[::1] offsets, int width) except -1:
+        """Every offset in range, and aligned to a line (``width`` 64) or to
+        ``width`` bytes."""
+        cdef Py_ssize_t i
+        for i in range(offsets.shape[0]):
+            if width == TRACT_LINE and offsets[i] % TRACT_LINE:
+                raise BoundsError(f"offset {offsets[i]} (item {i}) is not aligned to a "
+                                  f"{LINE}-byte line in region {self.path!r}")
+            if width < TRACT_LINE:
+                self._check_aligned(offsets[i], width)
+            else:
+                self._check(offsets[i], width)
+        return 0
+
+    def invalidate_lines(self, const int64_t[::1] offsets, bint payload=False):
+        """`invalidate` the line at each offset (a line-aligned int64 array);
+        the caller fences once for the batch (R4)."""
+        self._check_lines(offsets, TRACT_LINE)
+        cdef int insn = self._payload_insn if payload else self._invalidate_insn
+        cdef Py_ssize_t i
+        with nogil:
+            for i in range(offsets.shape[0]):
+                tract_lines(insn, self._base + offsets[i], TRACT_LINE)
+
+    def flush_lines(self, const int64_t[::1] offsets, bint payload=False):
+        """`flush` the line at each offset (line-aligned); the caller fences (R3)."""
+        self._check_lines(offsets, TRACT_LINE)
+        cdef int insn = self._payload_insn if payload else self._flush_insn
+        cdef Py_ssize_t i
+        with nogil:
+            for i in range(offsets.shape[0]):
+                tract_lines(insn, self._base + offsets[i], TRACT_LINE)
+
+    def gather_lines(self, const int64_t[::1] offsets, uint8_t[:, ::1] out):
+        """Copy the line at each offset into the rows of ``out`` (n, 64)."""
+        if out.shape[0] != offsets.shape[0] or out.shape[1] != LINE:
+            raise ValueError(f"out must be ({offsets.shape[0]}, {LINE}) bytes, got "
+                             f"({out.shape[0]}, {out.shape[1]})")
+        self._check_lines(offsets, TRACT_LINE)
+        cdef Py_ssize_t i
+        with nogil:
+            for i in range(offsets.shape[0]):
+                memcpy(&out[i, 0], self._base + offsets[i], TRACT_LINE)
+
+    def scatter_lines(self, const int64_t[::1] offsets, const uint8_t[:, ::1] lines):
+        """Write the rows of ``lines`` (n, 64) to the line at each offset
+        (plain stores; the caller flushes and fences)."""
+        if lines.shape[0] != offsets.shape[0] or lines.shape[1] != LINE:
+            raise ValueError(f"lines must be ({offsets.shape[0]}, {LINE}) bytes, got "
+                             f"({lines.shape[0]}, {lines.shape[1]})")
+        self._check_lines(offsets, TRACT_LINE)
+        cdef Py_ssize_t i
+        with nogil:
+            for i in range(offsets.shape[0]):
+                memcpy(self._base + offsets[i], &lines[i, 0], TRACT_LINE)
+
+    def local_add_u32s(self, const int64_t[::1] offsets, int64_t delta):
+        """Add ``delta`` to the u32 at each offset, atomically among the
+        processes of this host only: for lines of this host's node (R2),
+        such as its pin counters.  A sum outside 0..2**32-1 is not stored.
+        Returns the values found (uint32 array)."""
+        self._check_lines(offsets, 4)
+        result = numpy.empty(offsets.shape[0], dtype=numpy.uint32)
+        cdef uint32_t[::1] found = result
+        cdef Py_ssize_t i
+        with nogil:
+            for i in range(offsets.shape[0]):
+                found[i] = tract_add_u32_bounded(<uint32_t *>(self._base + offsets[i]), delta)
+        return result
+
+    def store_u32s(self, const int64_t[::1] offsets, uint32_t value):
+        """Store ``value`` at each (4-byte aligned) offset."""
+        self._check_lines(offsets, 4)
+        cdef Py_ssize_t i
+        with nogil:
+            for i in range(offsets.shape[0]):
+                (<volatile uint32_t *>(self._base + offsets[i]))[0] = value
 
     # -------------------------------------------------- measured primitives
 

@@ -22,6 +22,7 @@ __all__ = ["BENCHMARKS", "Result", "machine", "median_time", "run"]
 # name -> module under tract.bench that defines run(quick)
 BENCHMARKS = {
     "alloc": "tract.bench.alloc",
+    "hash": "tract.bench.hash",
     "incoherent": "tract.bench.incoherent",
     "lock": "tract.bench.lock",
     "region": "tract.bench.region",

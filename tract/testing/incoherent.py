@@ -475,6 +475,49 @@ class SimHost:
         self._stored[offset:offset + length] = True
         self._cache[offset:offset + length] = byte
 
+    def invalidate_lines(self, offsets, payload: bool = False) -> None:
+        for offset in self._line_offsets(offsets):
+            self.invalidate(offset, LINE, payload)
+
+    def flush_lines(self, offsets, payload: bool = False) -> None:
+        for offset in self._line_offsets(offsets):
+            self.flush(offset, LINE, payload)
+
+    def gather_lines(self, offsets, out) -> None:
+        offsets = self._line_offsets(offsets)
+        if out.shape != (len(offsets), LINE):
+            raise ValueError(f"out must be ({len(offsets)}, {LINE}) bytes, got {out.shape}")
+        for row, offset in enumerate(offsets):
+            out[row] = numpy.frombuffer(self.read(offset, LINE), dtype=numpy.uint8)
+
+    def scatter_lines(self, offsets, lines) -> None:
+        offsets = self._line_offsets(offsets)
+        if lines.shape != (len(offsets), LINE):
+            raise ValueError(f"lines must be ({len(offsets)}, {LINE}) bytes, got {lines.shape}")
+        for row, offset in enumerate(offsets):
+            self.copy_in(offset, lines[row].tobytes(), nontemporal=False)
+
+    def local_add_u32s(self, offsets, delta: int):
+        """As the native one: atomic among this host's threads (one runs at a time)."""
+        found = numpy.empty(len(offsets), dtype=numpy.uint32)
+        for row, offset in enumerate(int(o) for o in offsets):
+            found[row] = value = self.load_u32(offset)
+            if 0 <= value + delta <= 0xFFFFFFFF:
+                self.store_u32(offset, value + delta)
+        return found
+
+    def store_u32s(self, offsets, value: int) -> None:
+        for offset in offsets:
+            self.store_u32(int(offset), value)
+
+    def _line_offsets(self, offsets) -> list[int]:
+        offsets = [int(offset) for offset in offsets]
+        for row, offset in enumerate(offsets):
+            if offset % LINE:
+                raise BoundsError(f"offset {offset} (item {row}) is not aligned to a "
+                                  f"{LINE}-byte line in region {self.path!r}")
+        return offsets
+
     def compare_exchange_u64(self, offset: int, expected: int, desired: int) -> int:
         raise ConfigError(f"compare_exchange_u64 on {self.path!r}: simulated hosts share no "
                           f"coherence, so no atomics (atomic locks need coherence='hardware')")

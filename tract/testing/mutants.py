@@ -37,7 +37,8 @@ from pathlib import Path
 
 __all__ = ["SUITES", "SYNC_CALLS", "Site", "mutate", "run_mutant", "sites"]
 
-SYNC_CALLS = ("flush", "invalidate", "writeback", "fence", "store_fence", "load_fence")
+SYNC_CALLS = ("flush", "invalidate", "writeback", "fence", "store_fence", "load_fence",
+              "flush_lines", "invalidate_lines")
 
 # protocol module -> its simulated test files, relative to the repository root
 SUITES: dict[str, list[str]] = {
@@ -46,6 +47,7 @@ SUITES: dict[str, list[str]] = {
     "tract.lease": ["tests/test_lock.py"],
     "tract.alloc": ["tests/test_alloc.py"],
     "tract.objects": ["tests/test_objects.py"],
+    "tract.index": ["tests/test_index.py"],
 }
 
 SEEDS_ENV = "TRACT_SIM_SEEDS"

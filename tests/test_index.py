@@ -1,0 +1,482 @@
+"""The prefix index: its probe kernels against their twins, the protocol
+under the non-coherent simulator (readers, writers and evictors on
+different hosts), and natively: a model check, several processes on several
+nodes, bad input.
+
+Tests marked ``sim`` are the suite the mutation harness runs against every
+mutant of tract.index (TRACT_SIM_SEEDS sets the seeds).
+"""
+
+import multiprocessing
+import os
+import random
+import zlib
+
+import numpy as np
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+import naive
+from simnodes import heartbeat
+from tract._kernels import probe
+from tract.errors import CorruptionError, PoolFull
+from tract.fsck import fsck
+from tract.hashing import BlockHasher
+from tract.pool import Pool, format_pool
+from tract.testing.incoherent import SimPool, SimulationFailure
+
+SEEDS = int(os.environ.get("TRACT_SIM_SEEDS", "200"))
+SIM_LEASE = 0.004
+
+
+# ------------------------------------------------------- kernels vs twins
+
+def _random_window(rng, keys, width, nodes):
+    """Entries around ``keys``: empty, other keys, the key in every state,
+    torn lines, writers alive or dead."""
+    lines = np.zeros((len(keys), width, 8), dtype=np.uint64)
+    for k, key in enumerate(keys):
+        for w in range(width):
+            kind = rng.random()
+            if kind < 0.2:
+                continue  # empty
+            entry = np.zeros(8, dtype=np.uint64)
+            entry[:2] = key if rng.random() < 0.4 else (rng.getrandbits(64), rng.getrandbits(64))
+            entry[2] = rng.randrange(1, 9)
+            state = rng.choice([probe.WRITING, probe.READY, probe.EVICTING, probe.TOMBSTONE, 7])
+            entry[3] = state | (rng.randrange(nodes + 1) + 1) << 8 | rng.randrange(50) << 32
+            entry[6] = rng.randrange(1, 4)
+            entry[7] = naive.entry_check(entry)
+            if rng.random() < 0.1:
+                entry[rng.randrange(7)] ^= np.uint64(1 << rng.randrange(64))  # torn
+            lines[k, w] = entry
+    return lines
+
+
+def test_probe_kernels_match_their_twins():
+    rng = random.Random(3)
+    for _ in range(300):
+        count, width, nodes = rng.randint(1, 6), rng.randint(1, 6), 3
+        keys = np.array([[rng.randrange(4), rng.randrange(2)] for _ in range(count)],
+                        dtype=np.uint64)
+        lines = _random_window(rng, keys, width, nodes)
+        for row in lines.reshape(-1, 8):
+            if row.any():
+                assert int(probe.entry_check(row)) == naive.entry_check(row) or \
+                    int(row[7]) != naive.entry_check(row)
+        codes, where = np.empty(count, np.int64), np.empty(count, np.int64)
+        probe.probe_lookup(keys, lines, codes, where)
+        assert list(zip(codes.tolist(), where.tolist())) == naive.probe_lookup(keys, lines)
+        slots = (np.array([[rng.randrange(8)] for _ in range(count)]) + np.arange(width)) % 8
+        live = np.array([rng.choice([1, 2, 2**64 - 1]) for _ in range(nodes)], dtype=np.uint64)
+        complete = rng.random() < 0.3
+        probe.probe_reserve(keys, lines, slots, live, complete, codes, where)
+        assert list(zip(codes.tolist(), where.tolist())) == \
+            naive.probe_reserve(keys, lines, slots, live, complete)
+
+
+# ----------------------------------------------------------- simulator runs
+
+def _payload(key, length):
+    """A payload that names its key and carries its checksum."""
+    head = int(key[0]).to_bytes(8, "little") + int(key[1]).to_bytes(8, "little")
+    body = (head * (length // 16 + 1))[:length - 16]
+    return head + bytes(b ^ 0x5A for b in body)
+
+
+def _sim_pool(seed, nodes, chaos, capacity=16):
+    pool = SimPool(192 * 1024, hosts=nodes, seed=seed, chaos=chaos, max_steps=1_500_000)
+    format_pool(pool.hosts[0], max_nodes=nodes, locks=("alloc", "objects", "index"),
+                max_locks=3, chunk_size=8192, max_objects=4, index_capacity=capacity,
+                lock_mode="bakery", lease_timeout=SIM_LEASE)
+    for host in pool.hosts:
+        host.invalidate(0, pool.size)
+        host.fence()
+    return pool
+
+
+def run_index(seed, chaos=0.2, rounds=5):
+    """Node 0 writes chains of blocks (payloads that name their key), node 1
+    pins and reads them, node 2 evicts.  No hit is ever another key's
+    payload, no payload is freed while pinned, and at the end every READY
+    entry is visible to another host, unpinned and evictable."""
+    pool = _sim_pool(seed, 3, chaos)
+    rng = random.Random(seed)
+    keys = np.array([[rng.getrandbits(64), rng.getrandbits(64)] for _ in range(12)],
+                    dtype=np.uint64)
+    chains = [keys[i:i + 3] for i in range(0, 12, 3)]
+    handles, finished = {}, [False] * 3
+    pinned: dict[int, int] = {}  # payload offset -> pins held by the reader
+    counts = {"published": 0, "evicted": 0, "hits": 0}
+
+    def open_handle(host, node):
+        handle = Pool(host, node, clock=pool.clock, heartbeat=False, local_locks=False)
+        handles[node] = handle
+        return handle
+
+    def writer(host):
+        handle = open_handle(host, 0)
+        for _ in range(rounds):
+            chain = chains[rng.randrange(len(chains))]
+            try:
+                reserved = handle.index.reserve(chain, 256, tokens=16, timeout=100 * SIM_LEASE)
+            except PoolFull:
+                continue
+            sums = []
+            for r in reserved:
+                if r is None:
+                    sums.append(0)
+                    continue
+                data = _payload(r.key, r.length)
+                host.copy_in(r.offset, data, nontemporal=False)
+                host.flush(r.offset, r.length, payload=True)  # publish's lock fences it
+                sums.append(zlib.crc32(data))
+            counts["published"] += sum(handle.index.publish(reserved, sums,
+                                                            timeout=100 * SIM_LEASE))
+        finished[0] = True
+
+    def reader(host):
+        handle = open_handle(host, 1)
+        for _ in range(rounds * 2):
+            chain = chains[rng.randrange(len(chains))]
+            hits = handle.index.pin(chain)
+            for hit in hits:
+                pinned[hit.offset] = pinned.get(hit.offset, 0) + 1
+            for hit, key in zip(hits, chain):
+                assert hit.key == (int(key[0]), int(key[1]))
+                host.invalidate(hit.offset, hit.length, payload=True)
+                host.fence()
+                data = host.read(hit.offset, hit.length)
+                if data != _payload(key, hit.length) or zlib.crc32(data) != hit.checksum:
+                    raise SimulationFailure(f"slot {hit.slot}: payload at {hit.offset} is not "
+                                            f"key {hit.key}'s", seed)
+                counts["hits"] += 1
+            for hit in hits:
+                pinned[hit.offset] -= 1
+            handle.index.unpin(hits)
+            pool.clock.sleep(SIM_LEASE / 20)
+        finished[1] = True
+
+    def evictor(host):
+        handle = open_handle(host, 2)
+        real_free = handle.pool_free = handle.allocator.free
+
+        def checked_free(offset, timeout=None):
+            if pinned.get(offset):
+                raise SimulationFailure(f"payload at {offset} freed while pinned", seed)
+            real_free(offset, timeout)
+        handle.allocator.free = checked_free
+        while not (finished[0] and finished[1]):
+            counts["evicted"] += handle.index.evict(2, window=16, timeout=100 * SIM_LEASE)
+            pool.clock.sleep(SIM_LEASE / 10)
+        # the end: everything READY is seen from here, and nothing is pinned
+        ready = handle.index.stats()["ready"]
+        if ready != counts["published"] - counts["evicted"]:
+            raise SimulationFailure(f"{ready} READY entries seen; {counts['published']} "
+                                    f"published, {counts['evicted']} evicted", seed)
+        while ready:
+            gone = handle.index.evict(16, window=16, timeout=100 * SIM_LEASE)
+            if not gone:
+                raise SimulationFailure(f"{ready} READY entries left that nobody pins can "
+                                        f"not be evicted", seed)
+            ready -= gone
+        finished[2] = True
+
+    pool.run((0, writer), (1, reader), (2, evictor),
+             *[(node, heartbeat(pool, handles, finished, node, SIM_LEASE / 4))
+               for node in range(3)])
+    if pool.lost_updates:
+        raise SimulationFailure(f"lost update at {pool.lost_updates[0].line_offset}", seed)
+    return counts
+
+
+@pytest.mark.sim
+def test_readers_writers_and_evictors_under_every_seed():
+    totals = {"published": 0, "evicted": 0, "hits": 0}
+    for seed in range(SEEDS):
+        for name, value in run_index(seed).items():
+            totals[name] += value
+    assert totals["hits"] > SEEDS and totals["evicted"] > SEEDS // 2, totals
+
+
+# ------------------------------------------------------------- native runs
+
+def _create(path, size=16 << 20, capacity=256, **options):
+    Pool.create(path, size, chunk_size=1 << 16, max_nodes=4, index_capacity=capacity,
+                lease_timeout=options.pop("lease_timeout", 0.5), **options)
+
+
+def _publish(pool, keys, size=4096, pin_check=True):
+    reserved = pool.index.reserve(keys, size, tokens=16)
+    sums = []
+    for r in reserved:
+        if r is None:
+            sums.append(0)
+            continue
+        data = _payload(r.key, r.length)
+        pool.region.copy_in(r.offset, data)
+        sums.append(zlib.crc32(data))
+    return reserved, pool.index.publish(reserved, sums)
+
+
+def _read_hits(pool, hits, keys):
+    for hit, key in zip(hits, keys):
+        assert hit.key == (int(key[0]), int(key[1]))
+        pool.region.invalidate(hit.offset, hit.length, payload=True)
+        pool.region.fence()
+        data = pool.region.read(hit.offset, hit.length)
+        assert data == _payload(key, hit.length) and zlib.crc32(data) == hit.checksum
+
+
+def test_publish_lookup_pin_and_unpin(pool_path):
+    _create(pool_path)
+    with Pool.open(pool_path, 0, manager=True) as pool:
+        hasher = BlockHasher(pool.header.hash_key, 16, namespace="test-model")
+        tokens = np.arange(16 * 40, dtype=np.int32)
+        keys = hasher(tokens)
+        assert pool.index.lookup(keys) == 0
+        reserved, published = _publish(pool, keys[:30])
+        assert all(r is not None for r in reserved) and all(published)
+        assert pool.index.lookup(keys) == 30
+        assert pool.index.lookup(keys[5:]) == 25
+        assert pool.index.lookup(hasher(tokens + 1)) == 0
+        hits = pool.index.pin(keys)
+        assert len(hits) == 30 and [h.tokens for h in hits] == [16] * 30
+        _read_hits(pool, hits, keys)
+        again = pool.index.pin(keys[:3])
+        pool.index.unpin(hits)
+        pool.index.unpin(again)
+        with pytest.raises(ValueError, match="had not pinned"):
+            pool.index.unpin(again)
+        reserved, published = _publish(pool, np.vstack([keys[:2], keys[30:32], keys[30:31]]))
+        assert [r is None for r in reserved] == [True, True, False, False, True]
+        assert published == [False, False, True, True, False]
+        assert pool.index.lookup(keys) == 32
+        assert pool.index.stats()["ready"] == 32
+        assert fsck(pool_path, watch=False)["ok"]
+
+
+def test_abort_and_reclaimed_reservations_free_their_payloads(pool_path):
+    _create(pool_path)
+    with Pool.open(pool_path, 0, manager=True) as pool:
+        keys = BlockHasher(pool.header.hash_key, 4)(np.arange(40, dtype=np.int64))
+        reserved = pool.index.reserve(keys, 100_000)
+        assert pool.index.lookup(keys) == 0  # WRITING is not a hit
+        pool.index.abort(reserved[:5])
+        assert pool.index.stats()["tombstone"] == 5
+        # a reservation reclaimed meanwhile (as if this node's lease had lapsed)
+        with pool.lock("index")(5):
+            pool.index.clear(reserved[5].slot)
+        published = pool.index.publish(reserved[5:], [0] * 5)
+        assert published == [False, True, True, True, True]
+        assert pool.index.lookup(keys[6:]) == 4
+        report = fsck(pool_path, watch=False)
+        assert report["ok"], report["problems"]
+
+
+def test_eviction_spares_pinned_entries_and_frees_payloads(pool_path):
+    _create(pool_path)
+    with Pool.open(pool_path, 0, manager=True) as pool:
+        keys = BlockHasher(pool.header.hash_key, 8)(np.arange(8 * 20, dtype=np.int32))
+        _publish(pool, keys, size=70_000)  # whole chunks: frees are visible in the bitmap
+        hits = pool.index.pin(keys[:8])
+        assert pool.index.evict(100, window=256) == 12
+        assert pool.index.lookup(keys) == 8
+        _read_hits(pool, hits, keys)
+        pool.index.unpin(hits)
+        assert pool.index.evict(100, window=256) == 8
+        assert pool.index.stats()["ready"] == 0
+        report = fsck(pool_path, watch=False)
+        assert report["ok"] and report["chunks"]["referenced"] == 0, report
+
+
+def test_allocation_pressure_evicts_the_stalest(pool_path):
+    _create(pool_path, size=4 << 20)
+    with Pool.open(pool_path, 0, manager=True) as pool:
+        stamps = iter(range(1, 10**6))
+        pool.index.stamp = lambda: next(stamps)
+        hasher = BlockHasher(pool.header.hash_key, 4)
+        chunks = pool.header.nchunks
+        first = hasher(np.arange(4 * 4, dtype=np.int32))
+        _publish(pool, first, size=1 << 16)
+        pool.index.unpin(pool.index.pin(first[:2]))  # the two first ones are fresh
+        more = hasher(np.arange(4 * chunks, dtype=np.int32) + 10**6)
+        for key in more:  # far more than fits: older entries make room
+            _publish(pool, key[None], size=1 << 16)
+        assert pool.index.lookup(more[-1:]) == 1
+        assert pool.index.stats()["ready"] <= chunks
+        pinned = pool.index.pin(more[-1:])
+        while pool.index.evict(64, window=256):
+            pass
+        with pytest.raises(PoolFull):
+            pool.index.reserve(hasher(np.arange(4 * 2 * chunks, dtype=np.int32) + 10**7),
+                               1 << 16)
+        pool.index.unpin(pinned)
+
+
+def test_a_full_index_evicts_then_says_so(pool_path):
+    _create(pool_path, capacity=8)
+    with Pool.open(pool_path, 0, manager=True) as pool:
+        stamps = iter(range(1, 10**6))
+        pool.index.stamp = lambda: next(stamps)
+        keys = BlockHasher(pool.header.hash_key, 2)(np.arange(2 * 20, dtype=np.int32))
+        for key in keys:
+            _publish(pool, key[None], size=64)
+        assert pool.index.stats()["ready"] == 8
+        hits = pool.index.pin(keys[-8:])
+        assert len(hits) == 8
+        with pytest.raises(PoolFull, match="prefix index of 8 entries is full"):
+            pool.index.reserve(keys[:1], 64)
+        pool.index.unpin(hits)
+
+
+def test_torn_and_corrupt_entries_are_never_hits(pool_path):
+    _create(pool_path)
+    with Pool.open(pool_path, 0, manager=True) as pool:
+        keys = BlockHasher(pool.header.hash_key, 4)(np.arange(12, dtype=np.int32))
+        reserved, _ = _publish(pool, keys)
+        offset = pool.index._entries(np.array([reserved[1].slot]))[0]
+        pool.region.store_u64(int(offset) + 40, 12345)  # the length, check word not redone
+        pool.region.flush(int(offset), 64)
+        pool.region.fence()
+        assert pool.index.lookup(keys) == 1
+        assert pool.index.stats()["torn"] == 1
+        entry = pool.index._read(pool.index._entries(np.array([reserved[2].slot]))).copy()
+        entry[0, 4] = np.uint64(64)  # a payload offset inside the header, sealed
+        with pool.lock("index")(5):
+            pool.index._write(np.array([reserved[2].slot]), entry)
+        with pytest.raises(CorruptionError, match="names payload .* outside the heap"):
+            pool.index.pin(keys[2:])
+
+
+def test_bad_input_is_refused(pool_path):
+    _create(pool_path)
+    with Pool.open(pool_path, 0, manager=True) as pool:
+        with pytest.raises(ValueError, match=r"\(n, 2\) uint64"):
+            pool.index.lookup(np.zeros((3, 2), dtype=np.int64))
+        with pytest.raises(ValueError, match=r"\(n, 2\) uint64"):
+            pool.index.pin(np.zeros(4, dtype=np.uint64))
+        with pytest.raises(ValueError, match="sizes must be positive"):
+            pool.index.reserve(np.ones((2, 2), dtype=np.uint64), 0)
+
+
+def test_a_new_incarnation_drops_its_pins(pool_path):
+    _create(pool_path)
+    keys = None
+    with Pool.open(pool_path, 1, manager=True) as pool:
+        keys = BlockHasher(pool.header.hash_key, 4)(np.arange(8, dtype=np.int32))
+        _publish(pool, keys)
+        pool.index.pin(keys)  # never unpinned: this incarnation ends with them
+    with Pool.open(pool_path, 1, manager=True) as pool:
+        assert pool.index.evict(8, window=256) == 2
+
+
+class IndexModel(RuleBasedStateMachine):
+    """Random publishes, pins, unpins, evictions and aborts, checked against
+    a dict: key -> pins held.  A published key is found until it is evicted;
+    a pinned key is never evicted."""
+
+    def __init__(self):
+        super().__init__()
+        self.path = f"/dev/shm/tract-test-{os.getpid()}-model-{random.getrandbits(32):08x}"
+        _create(self.path, size=8 << 20, capacity=64)
+        self.pool = Pool.open(self.path, 0, manager=True)
+        self.keys = BlockHasher(self.pool.header.hash_key, 2)(np.arange(2 * 24, dtype=np.int32))
+        self.model: dict[int, int] = {}  # key index -> pins
+        self.pins: list[tuple[int, object]] = []
+
+    def teardown(self):
+        self.pool.close()
+        Pool.destroy(self.path)
+
+    @rule(which=st.lists(st.integers(0, 23), min_size=1, max_size=6))
+    def publish(self, which):
+        reserved, published = _publish(self.pool, self.keys[which], size=1000)
+        seen = set(self.model)
+        for index, r, ok in zip(which, reserved, published):
+            assert (r is None) == (index in seen) and ok == (r is not None)
+            seen.add(index)
+            if ok:
+                self.model[index] = 0
+
+    @rule(which=st.lists(st.integers(0, 23), min_size=1, max_size=6))
+    def pin(self, which):
+        hits = self.pool.index.pin(self.keys[which])
+        expected = 0
+        while expected < len(which) and which[expected] in self.model:
+            expected += 1
+        assert len(hits) == expected
+        _read_hits(self.pool, hits, self.keys[which])
+        for index, hit in zip(which, hits):
+            self.model[index] += 1
+            self.pins.append((index, hit))
+
+    @rule(data=st.data())
+    def unpin(self, data):
+        if self.pins:
+            index, hit = self.pins.pop(data.draw(st.integers(0, len(self.pins) - 1)))
+            self.pool.index.unpin([hit])
+            self.model[index] -= 1
+
+    @rule(count=st.integers(1, 8))
+    def evict(self, count):
+        before = set(self.model)
+        gone = self.pool.index.evict(count, window=64)
+        still = {i for i in before if self.pool.index.lookup(self.keys[i][None]) == 1}
+        assert len(before - still) == gone
+        for index in before - still:
+            assert self.model.pop(index) == 0, "a pinned entry was evicted"
+
+    @invariant()
+    def found(self):
+        for index in self.model:
+            assert self.pool.index.lookup(self.keys[index][None]) == 1
+
+
+def test_random_operations_match_the_model():
+    IndexModel.TestCase.settings = settings(max_examples=25, stateful_step_count=30,
+                                            deadline=None)
+    IndexModel.TestCase().runTest()
+
+
+def _index_worker(path, node, seed, rounds, role, results):
+    rng = random.Random(seed)
+    with Pool.open(path, node) as pool:
+        keys = BlockHasher(pool.header.hash_key, 4)(np.arange(4 * 64, dtype=np.int32))
+        served = 0
+        for _ in range(rounds):
+            chain = keys[rng.randrange(0, 48):][:rng.randint(1, 16)]
+            if role == "writer":
+                _publish(pool, chain, size=rng.choice([3000, 70_000]))
+            elif role == "reader":
+                hits = pool.index.pin(chain)
+                _read_hits(pool, hits, chain)
+                served += len(hits)
+                pool.index.unpin(hits)
+            else:
+                pool.index.evict(rng.randint(1, 6), window=64)
+        results.put((node, role, served))
+
+
+@pytest.mark.multiprocess
+def test_processes_on_several_nodes_read_only_their_keys(pool_path):
+    _create(pool_path, size=12 << 20, capacity=128)
+    context = multiprocessing.get_context("fork")
+    with Pool.open(pool_path, 0, manager=True):
+        results = context.Queue()
+        roles = [(1, "writer"), (2, "writer"), (3, "reader"), (3, "reader"), (1, "reader"),
+                 (2, "evictor")]
+        workers = [context.Process(target=_index_worker,
+                                   args=(pool_path, node, seed, 60, role, results))
+                   for seed, (node, role) in enumerate(roles)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join(180)
+            assert worker.exitcode == 0
+        served = sum(results.get(timeout=5)[2] for _ in workers)
+        assert served > 50
+    report = fsck(pool_path, watch=False)
+    assert report["ok"], report["problems"][:3]
