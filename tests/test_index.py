@@ -192,6 +192,47 @@ def run_index(seed, chaos=0.2, rounds=5):
     return counts
 
 
+def run_recency(seed):
+    """Node 0 publishes A then B, then C and D; node 1 reads C.  An evictor
+    on node 2 must see every node's stamps: it takes A, then B and D.  Slots
+    are chosen so that a stamp it misses changes its choice."""
+    pool = _sim_pool(seed, 3, chaos=0.0)
+    handles = [Pool(host, node, clock=pool.clock, heartbeat=False, local_locks=False)
+               for node, host in enumerate(pool.hosts)]
+    ticks = iter(range(1, 100))
+    for handle in handles:
+        handle.index.stamp = lambda: next(ticks)
+    last = handles[0].index.capacity - 1
+    key = {name: np.array([[slot, ord(name)]], dtype=np.uint64)
+           for name, slot in (("A", last), ("B", 0), ("C", last - 1), ("D", 1))}
+    writer, reader, evictor = (handle.index for handle in handles)
+
+    def evict(count, expect_gone):
+        evictor._hand = 0
+        assert evictor.evict(count, window=last + 1) == count
+        gone = {name for name in key if evictor.lookup(key[name]) == 0}
+        if gone != expect_gone:
+            raise SimulationFailure(f"the evictor took {sorted(gone)}, not "
+                                    f"{sorted(expect_gone)}: it missed an access stamp", seed)
+
+    def steps(host):
+        for name in "AB":
+            writer.publish(writer.reserve(key[name], 64))
+        evict(1, {"A", "C", "D"})
+        for name in "CD":
+            writer.publish(writer.reserve(key[name], 64))
+        reader.unpin(reader.pin(key["C"]))
+        evict(2, {"A", "B", "D"})
+
+    pool.run((0, steps))
+
+
+@pytest.mark.sim
+def test_evictors_see_every_nodes_access_stamps():
+    for seed in range(max(1, SEEDS // 50)):
+        run_recency(seed)
+
+
 @pytest.mark.sim
 def test_readers_writers_and_evictors_under_every_seed():
     totals = {"published": 0, "evicted": 0, "hits": 0}

@@ -509,8 +509,7 @@ class Index:
         the ``index`` lock); its payload is left to the allocator's reclaim."""
         entry = self._read(self._entries(np.array([slot]))).copy()
         entry[0] = [0, 0, entry[0, 2] + np.uint64(1), TOMBSTONE, 0, 0, 0, 0]
-        self._write(np.array([slot]), entry)
-        self.region.fence()
+        self._write(np.array([slot]), entry)  # the lock's release fences it
 
     def stats(self) -> dict[str, int]:
         """Entries by state (a torn one counts as torn)."""

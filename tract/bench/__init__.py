@@ -23,6 +23,7 @@ __all__ = ["BENCHMARKS", "Result", "machine", "median_time", "run"]
 BENCHMARKS = {
     "alloc": "tract.bench.alloc",
     "hash": "tract.bench.hash",
+    "index": "tract.bench.index",
     "incoherent": "tract.bench.incoherent",
     "lock": "tract.bench.lock",
     "region": "tract.bench.region",
