@@ -108,7 +108,8 @@ def entry_check(entry):
 
 def _decode(entry):
     entry = [int(word) for word in entry]
-    return {"empty": not any(entry), "whole": entry[7] == entry_check(entry),
+    whole = entry[7] == entry_check(entry)
+    return {"empty": not any(entry) or (whole and entry[3] & 0xFF == EMPTY), "whole": whole,
             "key": (entry[0], entry[1]), "state": entry[3] & 0xFF,
             "writer": ((entry[3] >> 8) & 0xFFFF) - 1, "epoch": entry[6] & 0xFFFFFFFF}
 
@@ -131,15 +132,16 @@ def probe_lookup(keys, lines):
     return result
 
 
-def probe_reserve(keys, lines, slots, live_epochs, complete=False):
+def probe_reserve(keys, lines, start, mask, widths, live_epochs):
     """[(code, position)] per key, keys in turn, with the slots taken by
     earlier keys of the batch held in a dict (slot -> key)."""
     taken, result = {}, []
-    for key, window, window_slots in zip(keys, lines, slots):
+    capacity = mask + 1
+    for key, window, first, width in zip(keys, lines, start, widths):
         key = (int(key[0]), int(key[1]))
         outcome, reusable = (CONTINUE, -1), None
-        for position, (entry, slot) in enumerate(zip(window, window_slots)):
-            slot = int(slot)
+        window_slots = [(int(first) + w) & mask for w in range(int(width))]
+        for position, (entry, slot) in enumerate(zip(window[:width], window_slots)):
             if slot in taken:
                 if taken[slot] == key:
                     outcome = (EXISTS, position)
@@ -157,7 +159,7 @@ def probe_reserve(keys, lines, slots, live_epochs, complete=False):
                 break
             if reusable is None and (not e["whole"] or e["state"] == TOMBSTONE or dead):
                 reusable = position
-        if outcome[0] == CONTINUE and complete and reusable is not None:
+        if outcome[0] == CONTINUE and width >= capacity and reusable is not None:
             outcome = (FREE, reusable)
         if outcome[0] == FREE:
             taken[int(window_slots[outcome[1]])] = key

@@ -33,9 +33,9 @@ SIM_LEASE = 0.004
 
 # ------------------------------------------------------- kernels vs twins
 
-def _random_window(rng, keys, width, nodes):
-    """Entries around ``keys``: empty, other keys, the key in every state,
-    torn lines, writers alive or dead."""
+def _random_window(rng, keys, width, nodes, among=None):
+    """Entries around ``keys``: empty, other keys, the key (or one of
+    ``among``) in every state, torn lines, writers alive or dead."""
     lines = np.zeros((len(keys), width, 8), dtype=np.uint64)
     for k, key in enumerate(keys):
         for w in range(width):
@@ -43,9 +43,12 @@ def _random_window(rng, keys, width, nodes):
             if kind < 0.2:
                 continue  # empty
             entry = np.zeros(8, dtype=np.uint64)
+            if among is not None:
+                key = among[rng.randrange(len(among))]
             entry[:2] = key if rng.random() < 0.4 else (rng.getrandbits(64), rng.getrandbits(64))
             entry[2] = rng.randrange(1, 9)
-            state = rng.choice([probe.WRITING, probe.READY, probe.EVICTING, probe.TOMBSTONE, 7])
+            state = rng.choice([probe.EMPTY, probe.WRITING, probe.READY, probe.EVICTING,
+                                probe.TOMBSTONE, 7])
             entry[3] = state | (rng.randrange(nodes + 1) + 1) << 8 | rng.randrange(50) << 32
             entry[6] = rng.randrange(1, 4)
             entry[7] = naive.entry_check(entry)
@@ -69,12 +72,16 @@ def test_probe_kernels_match_their_twins():
         codes, where = np.empty(count, np.int64), np.empty(count, np.int64)
         probe.probe_lookup(keys, lines, codes, where)
         assert list(zip(codes.tolist(), where.tolist())) == naive.probe_lookup(keys, lines)
-        slots = (np.array([[rng.randrange(8)] for _ in range(count)]) + np.arange(width)) % 8
+        # the reserve kernel sees one table: a slot holds the same entry in every window
+        mask = rng.choice([7, 15])
+        table = _random_window(rng, keys[:1], mask + 1, nodes, among=keys)[0]
+        start = np.array([rng.randrange(mask + 1) for _ in range(count)], dtype=np.int64)
+        widths = np.array([rng.randint(1, mask + 1) for _ in range(count)], dtype=np.int64)
+        table_lines = table[(start[:, None] + np.arange(mask + 1)) & mask]
         live = np.array([rng.choice([1, 2, 2**64 - 1]) for _ in range(nodes)], dtype=np.uint64)
-        complete = rng.random() < 0.3
-        probe.probe_reserve(keys, lines, slots, live, complete, codes, where)
+        probe.probe_reserve(keys, table_lines, start, mask, widths, live, codes, where)
         assert list(zip(codes.tolist(), where.tolist())) == \
-            naive.probe_reserve(keys, lines, slots, live, complete)
+            naive.probe_reserve(keys, table_lines, start, mask, widths, live)
 
 
 # ----------------------------------------------------------- simulator runs
@@ -454,10 +461,10 @@ class IndexModel(RuleBasedStateMachine):
             self.model[index] += 1
             self.pins.append((index, hit))
 
-    @rule(data=st.data())
-    def unpin(self, data):
-        if self.pins:
-            index, hit = self.pins.pop(data.draw(st.integers(0, len(self.pins) - 1)))
+    @rule(pick=st.integers(0, 1000))
+    def unpin(self, pick):
+        if self.pins:  # draws never depend on the pool (its hash key is random)
+            index, hit = self.pins.pop(pick % len(self.pins))
             self.pool.index.unpin([hit])
             self.model[index] -= 1
 
@@ -497,7 +504,7 @@ def _index_worker(path, node, seed, rounds, role, results):
                 served += len(hits)
                 pool.index.unpin(hits)
             else:
-                pool.index.evict(rng.randint(1, 6), window=64)
+                pool.index.evict(rng.randint(1, 2), window=64)
         results.put((node, role, served))
 
 
@@ -518,6 +525,6 @@ def test_processes_on_several_nodes_read_only_their_keys(pool_path):
             worker.join(180)
             assert worker.exitcode == 0
         served = sum(results.get(timeout=5)[2] for _ in workers)
-        assert served > 50
+        assert served > 20
     report = fsck(pool_path, watch=False)
     assert report["ok"], report["problems"][:3]

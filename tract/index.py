@@ -52,12 +52,12 @@ import time
 import numpy as np
 
 from tract._kernels import probe
-from tract._kernels.probe import (BUSY, CONTINUE, EVICTING, FREE, HIT, READY, TOMBSTONE,
-                                  WRITING)
+from tract._kernels.probe import EMPTY as EMPTY_STATE
+from tract._kernels.probe import CONTINUE, EVICTING, FREE, HIT, READY, TOMBSTONE, WRITING
 from tract.errors import CorruptionError, PoolFull
 from tract.lease import LINE
 
-__all__ = ["Hit", "Index", "Reservation", "STAMP_HZ"]
+__all__ = ["Hit", "Hits", "Index", "Reservation", "STAMP_HZ"]
 
 ENTRY_BYTES = 64
 STAMP_HZ = 4  # access stamps: quarter seconds of wall time since 2020
@@ -76,6 +76,36 @@ class Hit:
     length: int
     tokens: int
     checksum: int
+
+
+class Hits:
+    """Pinned READY entries (`Index.pin`), in key order, as arrays; ``hits[i]``
+    is a `Hit`.  Their payloads may be read until `Index.unpin`."""
+
+    __slots__ = ("entries", "slots")
+
+    def __init__(self, slots: np.ndarray, entries: np.ndarray):
+        self.slots, self.entries = slots, entries
+
+    def __len__(self) -> int:
+        return self.slots.size
+
+    def __getitem__(self, row: int) -> Hit:
+        entry = self.entries[row]
+        return Hit((int(entry[0]), int(entry[1])), int(self.slots[row]), int(entry[2]),
+                   int(entry[4]), int(entry[5]), int(entry[3] >> np.uint64(32)),
+                   int(entry[6] >> np.uint64(32)))
+
+    def __iter__(self):
+        return (self[row] for row in range(len(self)))
+
+    @property
+    def offsets(self) -> np.ndarray:
+        return self.entries[:, 4].astype(np.int64)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return self.entries[:, 5].astype(np.int64)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,8 +163,11 @@ class Index:
         return self.node_base + node * self.node_bytes + slots.astype(np.int64) * 8
 
     def _read(self, offsets: np.ndarray) -> np.ndarray:
-        """The lines at ``offsets``, fresh (R4): (n, 8) uint64."""
-        self.region.invalidate_lines(offsets)
+        """The lines at ``offsets``, fresh (R4): (n, 8) uint64.  Dropped with
+        the payload instruction (clflushopt where the CPU has it): these are
+        reads, ordered by the fence that follows; every write-back of an
+        entry or a pin word uses the metadata flush."""
+        self.region.invalidate_lines(offsets, payload=True)
         self.region.fence()
         lines = np.empty((offsets.size, LINE), dtype=np.uint8)
         self.region.gather_lines(offsets, lines)
@@ -160,35 +193,26 @@ class Index:
     # ------------------------------------------------------------ lookup
 
     def _probe(self, keys: np.ndarray, leading: bool):
-        """(codes, slots, entries) of each key's lookup.  ``leading``: only
-        the keys before the first miss matter."""
+        """(codes, slots, entries) of each key's lookup.  Windows grow
+        2, 8, 32... lines, each round reading only the keys still probing.
+        ``leading``: only the keys before the first miss matter."""
         count = keys.shape[0]
         codes = np.full(count, CONTINUE, dtype=np.int64)
         slots = np.full(count, -1, dtype=np.int64)
         entries = np.zeros((count, 8), dtype=np.uint64)
         start = (keys[:, 0] & np.uint64(self.mask)).astype(np.int64)
-        pending, width, scanned = np.arange(count), 1, 0
-        while pending.size:
+        pending, left, scanned, width = np.arange(count), count, 0, 2
+        while left:
             if scanned >= self.capacity:  # a table of tombstones: nothing more to find
-                codes[pending] = probe.MISS
+                codes[pending[:left]] = probe.MISS
                 break
-            window = (start[pending, None] + scanned + np.arange(width)) & self.mask
-            lines = self._read(self._entries(window.ravel())).reshape(pending.size, width, 8)
-            found, where = np.empty(pending.size, np.int64), np.empty(pending.size, np.int64)
-            probe.probe_lookup(keys[pending], lines, found, where)
-            done = found != CONTINUE
-            rows = pending[done]
-            codes[rows] = found[done]
-            hit = done & (found != probe.MISS)
-            slots[pending[hit]] = window[hit, where[hit]]
-            entries[pending[hit]] = lines[hit, where[hit]]
-            pending = pending[~done]
-            if leading:
-                stop = np.flatnonzero((codes != CONTINUE) & (codes != HIT))
-                if stop.size:
-                    pending = pending[pending < stop[0]]
+            width = min(width, self.capacity - scanned)
+            window = (start[pending[:left], None] + (scanned + np.arange(width))) & self.mask
+            lines = self._read(self._entries(window.ravel())).reshape(left, width, 8)
+            left = probe.collect(keys, pending, left, lines, scanned, start, self.mask, leading,
+                                 codes, slots, entries)
             scanned += width
-            width = min(width * 2, self.capacity - scanned) if scanned < self.capacity else 1
+            width *= 4
         return codes, slots, entries
 
     @staticmethod
@@ -202,15 +226,15 @@ class Index:
         codes, _, _ = self._probe(keys, leading=True)
         return self._leading(codes)
 
-    def pin(self, keys) -> list[Hit]:
+    def pin(self, keys) -> Hits:
         """Pin the leading READY entries of ``keys``: their payloads stay
-        until `unpin`.  Returns one `Hit` per pinned entry, in order."""
+        until `unpin`."""
         keys = _keys(keys)
         codes, slots, entries = self._probe(keys, leading=True)
         count = self._leading(codes)
-        if not count:
-            return []
         slots, entries = slots[:count], entries[:count]
+        if not count:
+            return Hits(slots, entries)
         words = self._pin_words(slots)
         found = self.region.local_add_u32s(words, 1)
         if (found == _PIN_MAX).any():
@@ -221,26 +245,29 @@ class Index:
         # one fence for both: the pins are in memory before the entries are read again
         fresh = self._read(self._entries(slots))
         ok = np.empty(count, dtype=np.bool_)
-        probe.validate(keys[:count], entries[:, 2].copy(), fresh, ok)
+        probe.validate(entries, fresh, ok)
         valid = self._leading(np.where(ok, HIT, probe.MISS))
         if valid < count:
             self._unpin_words(words[valid:])
-        return [self._hit(int(slots[row]), entries[row]) for row in range(valid)]
-
-    def _hit(self, slot: int, entry: np.ndarray) -> Hit:
-        offset, length = int(entry[4]), int(entry[5])
+        hits = Hits(slots[:valid], entries[:valid])
         low, high = self.heap
-        if not (low <= offset and 0 < length <= high - offset):
+        offsets, lengths = hits.offsets, hits.lengths
+        bad = np.flatnonzero((offsets < low) | (lengths <= 0) | (lengths > high - offsets))
+        if bad.size:
+            self._unpin_words(words[:valid])
+            slot, offset, length = int(slots[bad[0]]), int(offsets[bad[0]]), \
+                int(lengths[bad[0]])
             raise CorruptionError(f"index entry {slot} at offset {self.base + slot * ENTRY_BYTES}"
                                   f" names payload [{offset}, {offset + length}) outside the "
                                   f"heap [{low}, {high})")
-        return Hit((int(entry[0]), int(entry[1])), slot, int(entry[2]), offset, length,
-                   int(entry[3] >> np.uint64(32)), int(entry[6] >> np.uint64(32)))
+        return hits
 
-    def unpin(self, hits: list[Hit]) -> None:
-        """Take back the pins of `pin`."""
-        if hits:
-            self._unpin_words(self._pin_words(np.array([hit.slot for hit in hits])))
+    def unpin(self, hits: Hits | list[Hit]) -> None:
+        """Take back the pins of `pin` (all of them, or some `Hit` of them)."""
+        slots = hits.slots if isinstance(hits, Hits) else \
+            np.array([hit.slot for hit in hits], dtype=np.int64)
+        if slots.size:
+            self._unpin_words(self._pin_words(slots))
 
     def _unpin_words(self, words: np.ndarray) -> None:
         found = self.region.local_add_u32s(words, -1)
@@ -285,20 +312,18 @@ class Index:
         tokens = np.broadcast_to(np.asarray(tokens, dtype=np.int64), keys.shape[:1])
         if (sizes <= 0).any() or (tokens < 0).any() or (tokens > _PIN_MAX).any():
             raise ValueError("sizes must be positive and tokens in 0..2**32-1")
-        codes, _, _ = self._probe(keys, leading=False)
-        wanted = np.flatnonzero((codes != HIT) & (codes != BUSY))
         payloads = []
         try:
-            for row in wanted:
-                payloads.append(self._alloc(int(sizes[row]), timeout))
+            for size in sizes:
+                payloads.append(self._alloc(int(size), timeout))
         except BaseException:
             for offset in payloads:
                 self.pool.free(offset)
             raise
+        payloads = np.array(payloads, dtype=np.uint64)
         for attempt in range(4):
             try:
-                result, unused = self._reserve_locked(keys, wanted, payloads, sizes, tokens,
-                                                      timeout)
+                result, unused = self._reserve_locked(keys, payloads, sizes, tokens, timeout)
                 break
             except _IndexFull as full:  # make room: evict, then try again
                 if attempt == 3 or not self.evict(full.missing, timeout=timeout):
@@ -309,151 +334,184 @@ class Index:
             self.pool.free(offset)
         return result
 
-    def _reserve_locked(self, keys, wanted, payloads, sizes, tokens, timeout):
+    def _reserve_locked(self, keys, payloads, sizes, tokens, timeout):
         result: list[Reservation | None] = [None] * keys.shape[0]
         with self.pool.lock("index")(timeout) as lock:
-            slots, versions, codes = self._reserve_slots(keys[wanted])
+            slots, versions, codes = self._reserve_slots(keys)
             lock.check()  # fencing: still ours before anything is published (R6)
             free = np.flatnonzero(codes == FREE)
             entries = np.zeros((free.size, 8), dtype=np.uint64)
-            node_word = np.uint64(WRITING | (self.pool.node + 1) << 8)
-            for out, row in enumerate(free):
-                source = wanted[row]
-                entries[out, :2] = keys[source]
-                entries[out, 2] = versions[row] + np.uint64(1)
-                entries[out, 3] = node_word | np.uint64(int(tokens[source]) << 32)
-                entries[out, 4], entries[out, 5] = payloads[row], sizes[source]
-                entries[out, 6] = self.pool.epoch & 0xFFFFFFFF
-                result[source] = Reservation((int(keys[source, 0]), int(keys[source, 1])),
-                                             int(slots[row]), int(versions[row]) + 1,
-                                             payloads[row], int(sizes[source]),
-                                             int(tokens[source]))
+            entries[:, :2] = keys[free]
+            entries[:, 2] = versions[free] + np.uint64(1)
+            entries[:, 3] = np.uint64(WRITING | (self.pool.node + 1) << 8) | \
+                tokens[free].astype(np.uint64) << np.uint64(32)
+            entries[:, 4], entries[:, 5] = payloads[free], sizes[free]
+            entries[:, 6] = self.pool.epoch & 0xFFFFFFFF
             self._write(slots[free], entries)
-        return result, [payloads[row] for row in np.flatnonzero(codes != FREE)]
+        for row, entry, slot in zip(free.tolist(), entries.tolist(), slots[free].tolist()):
+            result[row] = Reservation((entry[0], entry[1]), slot, entry[2], entry[4], entry[5],
+                                      entry[3] >> 32)
+        return result, payloads[codes != FREE].tolist()
 
     def _reserve_slots(self, keys: np.ndarray):
         """Under the lock: (slots, versions, codes) of each key (FREE: the
-        slot to take; EXISTS: present)."""
+        slot to take; EXISTS: present).  Each key's window grows (2, 8,
+        32... lines) until it decides, reading only the lines not read yet
+        (nobody else writes under the lock); the kernel sees each key's
+        window up to its width."""
         count = keys.shape[0]
         start = (keys[:, 0] & np.uint64(self.mask)).astype(np.int64)
         live = self._live_epochs()
-        width = 4
+        widths = np.zeros(count, dtype=np.int64)
+        lines = np.empty((count, min(self.capacity, 256), 8), dtype=np.uint64)
+        codes, where = np.empty(count, np.int64), np.empty(count, np.int64)
+        pending, grown = np.arange(count), 2
         while True:
-            width = min(width, self.capacity)
-            window = (start[:, None] + np.arange(width)) & self.mask
-            lines = self._read(self._entries(window.ravel())).reshape(count, width, 8)
-            codes, where = np.empty(count, np.int64), np.empty(count, np.int64)
-            probe.probe_reserve(keys, lines, window, live, width == self.capacity, codes, where)
-            if not (codes == CONTINUE).any():
+            grown = min(grown, self.capacity)
+            if grown > lines.shape[1]:
+                wider = np.empty((count, grown, 8), dtype=np.uint64)
+                wider[:, :lines.shape[1]] = lines
+                lines = wider
+            extend = pending[widths[pending] < grown]
+            rows, positions = np.nonzero(np.arange(grown) >= widths[extend, None])
+            rows = extend[rows]
+            lines[rows, positions] = self._read(self._entries((start[rows] + positions)
+                                                              & self.mask))
+            widths[extend] = grown
+            probe.probe_reserve(keys, lines, start, self.mask, widths, live, codes, where)
+            pending = np.flatnonzero(codes == CONTINUE)
+            if not pending.size:
                 break
-            if width == self.capacity:
-                missing = int((codes == CONTINUE).sum())
+            if (widths[pending] >= self.capacity).all():
                 raise _IndexFull(f"prefix index of {self.capacity} entries is full: no free "
-                                 f"slot for {missing} of {count} keys", missing)
-            width *= 2
-        rows = np.arange(count)
-        slots = window[rows, where]
-        versions = lines[rows, where, 2]
-        return slots, versions, codes
+                                 f"slot for {pending.size} of {count} keys", pending.size)
+            grown *= 4
+        return (start + where) & self.mask, lines[np.arange(count), where, 2], codes
 
     def publish(self, reservations: list[Reservation | None], checksums=None,
                 timeout: float | None = None) -> list[bool]:
-        """Make reserved entries READY once their payloads are copied; False
-        for one reclaimed meanwhile (its payload is freed)."""
-        mine = [r for r in reservations if r is not None]
-        if checksums is None:
-            checksums = [0] * len(reservations)
-        if mine:  # a fresh block counts as just used (this node's stamp words)
-            words = self._pin_words(np.array([r.slot for r in mine]))
-            self.region.store_u32s(words + 4, self.stamp())
-            self.region.flush_lines(words & ~(LINE - 1))
-        by_slot = {r.slot: checksums[i] for i, r in enumerate(reservations) if r is not None}
-        published = self._finish(mine, READY, by_slot, timeout)
-        return [r is not None and published[r.slot] for r in reservations]
+        """Make reserved entries READY once their payloads are copied (and
+        flushed: non-temporal copies are); False for one reclaimed meanwhile
+        (its payload is freed).  ``checksums``: the payloads' (u32), kept in
+        the entries for readers."""
+        rows = [row for row, r in enumerate(reservations) if r is not None]
+        if not rows:
+            return [False] * len(reservations)
+        mine = [reservations[row] for row in rows]
+        sums = np.zeros(len(rows), dtype=np.uint64) if checksums is None else \
+            np.array([int(checksums[row]) & 0xFFFFFFFF for row in rows], dtype=np.uint64)
+        # a fresh block counts as just used (this node's stamp words)
+        words = self._pin_words(np.array([r.slot for r in mine]))
+        self.region.store_u32s(words + 4, self.stamp())
+        self.region.flush_lines(words & ~(LINE - 1))
+        ours, _ = self._finish(mine, READY, sums, timeout)
+        for r, ok in zip(mine, ours):
+            if not ok:
+                self.pool.free(r.offset)
+        published = [False] * len(reservations)
+        for row, ok in zip(rows, ours):
+            published[row] = bool(ok)
+        return published
 
     def abort(self, reservations: list[Reservation | None], timeout: float | None = None
               ) -> None:
         """Give up reserved entries (tombstones) and their payloads."""
         mine = [r for r in reservations if r is not None]
-        done = self._finish(mine, TOMBSTONE, {}, timeout)
-        for r in mine:
-            if done[r.slot]:
-                self.pool.free(r.offset)
+        if mine:
+            ours, _ = self._finish(mine, TOMBSTONE, None, timeout)
+            for r, ok in zip(mine, ours):
+                if ok:
+                    self.pool.free(r.offset)
 
-    def _finish(self, mine: list[Reservation], state: int, checksums: dict, timeout
-                ) -> dict[int, bool]:
-        if not mine:
-            return {}
+    def _finish(self, mine: list[Reservation], state: int, checksums, timeout):
+        """Under the lock: the reserved entries still WRITING by this node
+        at their version become ``state``; returns (which did, slots)."""
         slots = np.array([r.slot for r in mine], dtype=np.int64)
+        expected = np.array([[*r.key, r.version, WRITING | (self.pool.node + 1) << 8, r.offset,
+                              self.pool.epoch & 0xFFFFFFFF] for r in mine], dtype=np.uint64)
         # the lock's acquire fences: the caller's payload flushes complete first (R3)
         with self.pool.lock("index")(timeout) as lock:
             entries = self._read(self._entries(slots)).copy()
-            ours = np.array([self._still_mine(entries[row], r) for row, r in enumerate(mine)],
-                            dtype=np.bool_)
+            ours = (self._whole(entries) & (entries[:, 0] == expected[:, 0])
+                    & (entries[:, 1] == expected[:, 1]) & (entries[:, 2] == expected[:, 2])
+                    & ((entries[:, 3] & np.uint64(0xFFFF)) == expected[:, 3])
+                    & (entries[:, 4] == expected[:, 4])
+                    & ((entries[:, 6] & np.uint64(0xFFFFFFFF)) == expected[:, 5]))
             lock.check()
-            for row in np.flatnonzero(ours):
-                entry = entries[row]
-                entry[2] += np.uint64(1)
-                if state == READY:
-                    entry[3] = (entry[3] & ~np.uint64(0xFF)) | np.uint64(READY)
-                    entry[6] = (entry[6] & np.uint64(0xFFFFFFFF)) | \
-                        np.uint64(int(checksums.get(mine[row].slot, 0)) << 32)
-                else:
-                    entry[:] = [0, 0, entry[2], TOMBSTONE, 0, 0, 0, 0]
-            self._write(slots[ours], entries[ours])
-        result = {r.slot: bool(ok) for r, ok in zip(mine, ours)}
-        if state == READY:
-            for r in mine:
-                if not result[r.slot]:
-                    self.pool.free(r.offset)
-        return result
-
-    def _still_mine(self, entry: np.ndarray, r: Reservation) -> bool:
-        return (self._whole(entry[None])[0] and int(entry[0]) == r.key[0]
-                and int(entry[1]) == r.key[1] and int(entry[2]) == r.version
-                and int(entry[3]) & 0xFFFF == WRITING | (self.pool.node + 1) << 8
-                and int(entry[6]) & 0xFFFFFFFF == self.pool.epoch & 0xFFFFFFFF
-                and int(entry[4]) == r.offset)
+            done = entries[ours]
+            done[:, 2] += np.uint64(1)
+            if state == READY:
+                done[:, 3] = (done[:, 3] & ~np.uint64(0xFF)) | np.uint64(READY)
+                done[:, 6] = (done[:, 6] & np.uint64(0xFFFFFFFF)) | \
+                    checksums[ours] << np.uint64(32)
+            else:
+                done[:, [0, 1, 4, 5, 6]] = 0
+                done[:, 3] = TOMBSTONE
+            self._write(slots[ours], done)
+        return ours, slots
 
     # ---------------------------------------------------------- eviction
 
     def evict(self, count: int = 1, window: int = 64, timeout: float | None = None) -> int:
         """Evict up to ``count`` of the stalest unpinned READY entries among
-        ``window`` slots from a moving hand (sampled LRU); returns how many."""
+        ``window`` slots from a moving hand (sampled LRU); returns how many.
+        Tombstones that end a probe chain (an empty slot follows) become
+        empty again, so chains stay short."""
         window = min(window, self.capacity)
         freed = []
         with self.pool.lock("index")(timeout) as lock:
-            slots = (self._hand + np.arange(window)) & self.mask
+            slots = (self._hand + np.arange(window + 1)) & self.mask  # and the slot after
             self._hand = (self._hand + window) & self.mask
             entries = self._read(self._entries(slots)).copy()
             ready = self._whole(entries) & ((entries[:, 3] & np.uint64(0xFF)) == READY)
-            if not ready.any():
-                return 0
-            live = [node for node in range(self.max_nodes)
-                    if self.pool.space.liveness.live(node)]
-            pins, stamps = self._pins(slots[ready], live)
-            unpinned = np.flatnonzero(ready)[pins == 0]
-            chosen_rows = unpinned[np.argsort(stamps[pins == 0], kind="stable")[:count]]
-            if not chosen_rows.size:
-                return 0
-            chosen, marked = slots[chosen_rows], entries[chosen_rows]
-            lock.check()
-            marked[:, 2] += np.uint64(1)
-            marked[:, 3] = (marked[:, 3] & ~np.uint64(0xFF)) | np.uint64(EVICTING)
-            self._write(chosen, marked)
-            # the pins' read fences: EVICTING is in memory before they are read
-            pins, _ = self._pins(chosen, live)
-            lock.check()
-            marked[:, 2] += np.uint64(1)
-            evicted = pins == 0
-            for row in np.flatnonzero(evicted):
-                freed.append(int(marked[row, 4]))
-                marked[row] = [0, 0, marked[row, 2], TOMBSTONE, 0, 0, 0, 0]
-            marked[~evicted, 3] = (marked[~evicted, 3] & ~np.uint64(0xFF)) | np.uint64(READY)
-            self._write(chosen, marked)
+            ready[window:] = False
+            if ready.any():
+                live = [node for node in range(self.max_nodes)
+                        if self.pool.space.liveness.live(node)]
+                pins, stamps = self._pins(slots[ready], live)
+                unpinned = np.flatnonzero(ready)[pins == 0]
+                chosen = unpinned[np.argsort(stamps[pins == 0], kind="stable")[:count]]
+            else:
+                chosen = np.zeros(0, dtype=np.int64)
+            if chosen.size:
+                lock.check()
+                marked = entries[chosen]
+                marked[:, 2] += np.uint64(1)
+                marked[:, 3] = (marked[:, 3] & ~np.uint64(0xFF)) | np.uint64(EVICTING)
+                self._write(slots[chosen], marked)
+                # the pins' read fences: EVICTING is in memory before they are read
+                pins, _ = self._pins(slots[chosen], live)
+                lock.check()
+                marked[:, 2] += np.uint64(1)
+                evicted = pins == 0
+                freed = marked[evicted, 4].astype(np.int64).tolist()
+                gone = marked[evicted]
+                gone[:, [0, 1, 4, 5, 6]] = 0
+                gone[:, 3] = TOMBSTONE
+                marked[evicted] = gone
+                marked[~evicted, 3] = (marked[~evicted, 3] & ~np.uint64(0xFF)) | np.uint64(READY)
+                entries[chosen] = marked
+            self._trim(slots, entries, chosen)
         for offset in freed:  # tombstones are in memory (the release fenced them)
             self.pool.free(offset)
         return len(freed)
+
+    def _trim(self, slots: np.ndarray, entries: np.ndarray, changed: np.ndarray) -> None:
+        """Write ``entries[changed]`` and make every tombstone of the window
+        that an empty slot follows empty (version kept), back to front."""
+        empty = np.empty(slots.size, dtype=np.bool_)
+        probe.empty(entries, empty)
+        tombstone = self._whole(entries) & ((entries[:, 3] & np.uint64(0xFF)) == TOMBSTONE)
+        trimmed = []
+        for row in range(slots.size - 2, -1, -1):
+            if tombstone[row] and empty[row + 1]:
+                empty[row] = True
+                trimmed.append(row)
+        rows = np.union1d(changed, np.array(trimmed, dtype=np.int64))
+        if trimmed:
+            entries[trimmed, 3] = EMPTY_STATE
+        if rows.size:
+            self._write(slots[rows], entries[rows])
 
     def _pins(self, slots: np.ndarray, nodes: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """(total pins, newest stamp) of each slot over ``nodes``, fresh."""
@@ -488,6 +546,8 @@ class Index:
                     continue
                 if not sealed:
                     found.append((slot, "bad", None, f"{where} is torn (check word)"))
+                elif state == EMPTY_STATE:
+                    continue  # a trimmed tombstone
                 elif state not in names:
                     found.append((slot, "bad", None, f"{where} has state {state}"))
                 elif state == TOMBSTONE:
