@@ -25,7 +25,7 @@ from tract.errors import CorruptionError, PoolFull
 from tract.fsck import fsck
 from tract.hashing import BlockHasher
 from tract.pool import Pool, format_pool
-from tract.testing.incoherent import SimPool, SimulationFailure
+from tract.testing.incoherent import LINE, SimPool, SimulationFailure
 
 SEEDS = int(os.environ.get("TRACT_SIM_SEEDS", "200"))
 SIM_LEASE = 0.004
@@ -93,11 +93,11 @@ def _payload(key, length):
     return head + bytes(b ^ 0x5A for b in body)
 
 
-def _sim_pool(seed, nodes, chaos, capacity=16):
+def _sim_pool(seed, nodes, chaos, capacity=16, lease=SIM_LEASE):
     pool = SimPool(192 * 1024, hosts=nodes, seed=seed, chaos=chaos, max_steps=1_500_000)
     format_pool(pool.hosts[0], max_nodes=nodes, locks=("alloc", "objects", "index"),
                 max_locks=3, chunk_size=8192, max_objects=4, index_capacity=capacity,
-                lock_mode="bakery", lease_timeout=SIM_LEASE)
+                lock_mode="bakery", lease_timeout=lease)
     for host in pool.hosts:
         host.invalidate(0, pool.size)
         host.fence()
@@ -197,6 +197,109 @@ def run_index(seed, chaos=0.2, rounds=5):
     if pool.lost_updates:
         raise SimulationFailure(f"lost update at {pool.lost_updates[0].line_offset}", seed)
     return counts
+
+
+def run_dekker(first):
+    """A pin and an eviction of one block, interleaved where it hurts: the
+    ``first`` side's drop of the lines it checks completes at once (as a
+    prefetch may) and the other side runs whole right then.  Each side must
+    fence its own write before it drops those lines, or the pinned block is
+    evicted."""
+    pool = _sim_pool(0, 3, chaos=0.0, lease=1.0)
+    handles = [Pool(host, node, clock=pool.clock, heartbeat=False, local_locks=False)
+               for node, host in enumerate(pool.hosts)]
+    writer, reader, evictor = (handle.index for handle in handles)
+    key = np.array([[5, 7]], dtype=np.uint64)
+    outcome = {}
+    host = pool.hosts[1 if first == "reader" else 2]
+    trigger = "local_add_u32s" if first == "reader" else "scatter_lines"
+    armed = []
+
+    def arming(*args):
+        armed.append(True)
+        return getattr(type(host), trigger)(host, *args)
+
+    def invalidate_lines(offsets, payload=False):
+        type(host).invalidate_lines(host, offsets, payload)
+        if armed and armed.pop():
+            for offset in offsets:
+                host.complete_early(int(offset), LINE)
+            if first == "reader":
+                outcome["evicted"] = evictor.evict(1, window=evictor.capacity)
+            else:
+                outcome["hits"] = reader.pin(key)
+
+    setattr(host, trigger, arming)
+    host.invalidate_lines = invalidate_lines
+
+    def steps(_):
+        writer.publish(writer.reserve(key, 64))
+        if first == "reader":
+            outcome["hits"] = reader.pin(key)
+        else:
+            outcome["evicted"] = evictor.evict(1, window=evictor.capacity)
+        if len(outcome["hits"]) and outcome["evicted"]:
+            raise SimulationFailure(f"{first} first: a pinned block was evicted", 0)
+
+    pool.run((0, steps))
+    return outcome
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("first", ["reader", "evictor"])
+def test_pin_and_evict_each_fence_their_write_before_they_check(first):
+    outcome = run_dekker(first)
+    assert len(outcome["hits"]) + outcome["evicted"] == 1  # one of them won
+
+
+def run_pin_race(seed, rounds=12):
+    """One reader pins and unpins a block while an evictor keeps trying to
+    evict it, with every queued flush and prefetch at random (chaos 1.0):
+    the evictor never takes it while it is pinned."""
+    pool = _sim_pool(seed, 3, chaos=1.0)
+    handles, finished = {}, [False] * 3
+    key = np.array([[5, 7]], dtype=np.uint64)
+    pinned = [0]
+
+    def writer(host):
+        handle = handles[0] = Pool(host, 0, clock=pool.clock, heartbeat=False, local_locks=False)
+        for _ in range(rounds):
+            handle.index.publish(handle.index.reserve(key, 64, timeout=100 * SIM_LEASE))
+            pool.clock.sleep(SIM_LEASE / 8)
+        finished[0] = True
+
+    def reader(host):
+        handle = handles[1] = Pool(host, 1, clock=pool.clock, heartbeat=False, local_locks=False)
+        for _ in range(rounds * 2):
+            hits = handle.index.pin(key)
+            pinned[0] += len(hits)
+            pool.clock.sleep(SIM_LEASE / 20)
+            pinned[0] -= len(hits)
+            handle.index.unpin(hits)
+        finished[1] = True
+
+    def evictor(host):
+        handle = handles[2] = Pool(host, 2, clock=pool.clock, heartbeat=False, local_locks=False)
+        real_free = handle.allocator.free
+
+        def checked_free(offset, timeout=None):
+            if pinned[0]:
+                raise SimulationFailure(f"payload at {offset} freed while pinned", seed)
+            real_free(offset, timeout)
+        handle.allocator.free = checked_free
+        while not (finished[0] and finished[1]):
+            handle.index.evict(1, window=16, timeout=100 * SIM_LEASE)
+        finished[2] = True
+
+    pool.run((0, writer), (1, reader), (2, evictor),
+             *[(node, heartbeat(pool, handles, finished, node, SIM_LEASE / 4))
+               for node in range(3)])
+
+
+@pytest.mark.sim
+def test_a_pinned_block_is_never_evicted_under_every_seed():
+    for seed in range(max(1, SEEDS // 4)):
+        run_pin_race(seed)
 
 
 def run_recency(seed):

@@ -26,16 +26,19 @@ Protocols (every step batched: one fence per batch of lines):
 - **Lookup** (`lookup`, `pin`): no lock.  Windows of entries are
   invalidated, fenced and read (R4), growing until each key is found or an
   empty entry ends its chain.  `pin` then adds one to this node's pin word
-  of each hit (and stamps it), flushes, fences, and reads the entries again:
-  only entries still READY at the version first read are hits (R3 then R4:
-  pin, then re-check).  `unpin` takes the pins back.
+  of each hit (and stamps it), flushes, fences, and only then drops and
+  reads the entries again: only entries still READY at the version first
+  read are hits (R3 then R4: pin, then re-check).  `unpin` takes the pins
+  back.
 - **Evict** (`evict`, and on allocation pressure): under the lock, the
   stalest unpinned READY entries of a window of slots are marked EVICTING
-  (version + 1), flushed and fenced; then every live node's pin word is read
-  fresh: an entry nobody pins becomes a tombstone and its payload is freed
+  (version + 1), flushed and fenced; only then is every live node's pin
+  word dropped and read: an entry nobody pins becomes a tombstone and its payload is freed
   after the release, a pinned one goes back to READY.  Pin-then-recheck on
   the reader's side and mark-then-check-pins on the evictor's cannot both
-  pass.  Pins of a node whose lease lapsed are ignored (R6); a node's new
+  pass, provided each side drops the lines it checks only after its own
+  write is in memory (a line dropped earlier may be refilled by a prefetch
+  before the other side's write lands).  Pins of a node whose lease lapsed are ignored (R6); a node's new
   incarnation starts with its pins cleared.
 
 Rules relied on (DESIGN.md): R2 — entries are written only under the lock,
@@ -47,7 +50,6 @@ range-checked; R6 — the lock's fencing epoch, writers' and pins' leases.
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import numpy as np
 
@@ -149,7 +151,8 @@ class Index:
         self.node_base = header.index_nodes
         self.max_nodes = header.max_nodes
         self.heap = (header.heap, header.heap_end)
-        self.stamp = lambda: max(0, int((time.time() - _STAMP_EPOCH) * STAMP_HZ)) & _PIN_MAX
+        clock = pool.clock
+        self.stamp = lambda: max(0, int((clock.wall() - _STAMP_EPOCH) * STAMP_HZ)) & _PIN_MAX
         self._hand = int.from_bytes(header.hash_key[:4], "little") & self.mask
         self._live: tuple[float, np.ndarray] | None = None
 
@@ -242,7 +245,10 @@ class Index:
                                   f"of node {self.pool.node} is full")
         self.region.store_u32s(words + 4, self.stamp())
         self.region.flush_lines(words & ~(LINE - 1))
-        # one fence for both: the pins are in memory before the entries are read again
+        # the pins are in memory before the entries are dropped and read
+        # again: an entry dropped earlier could be refilled (a prefetch)
+        # before the pins land, and read stale
+        self.region.fence()
         fresh = self._read(self._entries(slots))
         ok = np.empty(count, dtype=np.bool_)
         probe.validate(entries, fresh, ok)
@@ -372,12 +378,11 @@ class Index:
                 wider = np.empty((count, grown, 8), dtype=np.uint64)
                 wider[:, :lines.shape[1]] = lines
                 lines = wider
-            extend = pending[widths[pending] < grown]
-            rows, positions = np.nonzero(np.arange(grown) >= widths[extend, None])
-            rows = extend[rows]
-            lines[rows, positions] = self._read(self._entries((start[rows] + positions)
-                                                              & self.mask))
-            widths[extend] = grown
+            room = pending.size * grown
+            offsets, rows, positions = (np.empty(room, np.int64) for _ in range(3))
+            new = probe.grow_windows(pending, widths, grown, start, self.mask, self.base,
+                                     offsets, rows, positions)
+            probe.place(lines, self._read(offsets[:new]), rows, positions, new)
             probe.probe_reserve(keys, lines, start, self.mask, widths, live, codes, where)
             pending = np.flatnonzero(codes == CONTINUE)
             if not pending.size:
@@ -479,7 +484,7 @@ class Index:
                 marked[:, 2] += np.uint64(1)
                 marked[:, 3] = (marked[:, 3] & ~np.uint64(0xFF)) | np.uint64(EVICTING)
                 self._write(slots[chosen], marked)
-                # the pins' read fences: EVICTING is in memory before they are read
+                self.region.fence()  # EVICTING is in memory before the pins are dropped and read
                 pins, _ = self._pins(slots[chosen], live)
                 lock.check()
                 marked[:, 2] += np.uint64(1)

@@ -38,6 +38,11 @@ class Clock:
         return time.monotonic()
 
     @staticmethod
+    def wall() -> float:
+        """Seconds since the Unix epoch: comparable across hosts (access stamps)."""
+        return time.time()
+
+    @staticmethod
     def sleep(seconds: float) -> None:
         if seconds > 0:
             time.sleep(seconds)

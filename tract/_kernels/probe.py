@@ -23,7 +23,8 @@ import numpy as np
 from tract._kernels.config import kernel
 
 __all__ = ["BUSY", "CONTINUE", "EMPTY", "EVICTING", "EXISTS", "FREE", "HIT", "MISS", "READY",
-           "TOMBSTONE", "WRITING", "collect", "empty", "entry_check", "probe_lookup", "probe_reserve",
+           "TOMBSTONE", "WRITING", "collect", "empty", "entry_check", "grow_windows", "place",
+           "probe_lookup", "probe_reserve",
            "seal", "validate", "whole"]
 
 EMPTY, WRITING, READY, EVICTING, TOMBSTONE = 0, 1, 2, 3, 4
@@ -143,6 +144,29 @@ def validate(first, lines, ok):
         ok[k] = (entry[7] == _check(entry) and entry[0] == first[k, 0]
                  and entry[1] == first[k, 1] and entry[2] == first[k, 2]
                  and entry[4] == first[k, 4] and entry[3] & U64(0xFF) == READY)
+
+
+@kernel
+def grow_windows(pending, widths, grown, start, mask, base, offsets, rows, positions):
+    """The lines each pending key has not read yet, up to ``grown``: their
+    entry offsets (``base`` + slot * 64), key rows and window positions;
+    returns how many (and sets the keys' widths to ``grown``)."""
+    n = 0
+    for k in pending:
+        for w in range(widths[k], grown):
+            offsets[n] = base + ((start[k] + w) & mask) * 64
+            rows[n] = k
+            positions[n] = w
+            n += 1
+        widths[k] = max(widths[k], grown)
+    return n
+
+
+@kernel
+def place(lines, read, rows, positions, count):
+    """Put ``read[i]`` at ``lines[rows[i], positions[i]]`` for i < count."""
+    for i in range(count):
+        lines[rows[i], positions[i]] = read[i]
 
 
 @kernel

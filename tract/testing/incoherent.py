@@ -357,6 +357,10 @@ class SimClock:
     def now(self) -> float:
         return self.pool.steps * self.TICK + self.pool.slept
 
+    def wall(self) -> float:
+        """Virtual wall time: a fixed date plus `now`."""
+        return 1.7e9 + self.now()
+
     def sleep(self, seconds: float) -> None:
         self.pool._sleep(seconds)
 
@@ -509,6 +513,17 @@ class SimHost:
     def store_u32s(self, offsets, value: int) -> None:
         for offset in offsets:
             self.store_u32(int(offset), value)
+
+    def complete_early(self, offset: int, length: int) -> None:
+        """Complete now this host's queued flushes and invalidations of the
+        lines of a range, as the hardware may before any fence (chaos does
+        it at random; a test can place it): an invalidated line is refetched
+        at once, so it holds what memory held then (a prefetch)."""
+        for queue in self._queues.values():
+            for line in self._lines(offset, length):
+                kind = queue.pop(line, None)
+                if kind is not None:
+                    self._complete(line, kind)
 
     def _line_offsets(self, offsets) -> list[int]:
         offsets = [int(offset) for offset in offsets]
