@@ -131,10 +131,14 @@ class BlockHasher:
             bad = blockhash.keyed_chain(tokens, self.block_size, self._k0, self._k1, parent[0],
                                         parent[1], out)
         else:
-            bad = blockhash.fast_chain(tokens, self.block_size, self._k0, self._secret,
-                                       parent[0], parent[1], out)
+            chain = blockhash.fast_chain_odd if self.block_size % 2 else blockhash.fast_chain
+            bad = chain(tokens, self.block_size, self._k0, self._secret, parent[0], parent[1],
+                        out)
         if bad >= 0:
-            raise ValueError(f"token {int(tokens[bad])} at index {bad} is outside 0..2**32-1")
+            block = tokens[bad * self.block_size:(bad + 1) * self.block_size]
+            index = bad * self.block_size + int(np.flatnonzero((block < 0) | (block > 2**32 - 1))[0])
+            raise ValueError(f"token {int(tokens[index])} at index {index} is outside "
+                             f"0..2**32-1")
         return out
 
 

@@ -12,8 +12,8 @@ blocks.  Two functions ``H``:
 - ``fast``: XXH3-128 seeded with the key's low word, bit-exact with the
   ``xxhash`` package (not a PRF: for trusted single-tenant pools).
 
-Tokens may be int32 or int64; a token outside 0..2**32-1 stops the kernel,
-which returns its index (else -1).  Twins: ``tests/naive.py``
+Tokens may be int32 or int64; a token outside 0..2**32-1 stops a chain
+kernel, which returns that token's block (else -1).  Twins: ``tests/naive.py``
 (``siphash``, ``keyed_chain``, ``fast_chain``).
 """
 
@@ -21,7 +21,8 @@ import numpy as np
 
 from tract._kernels.config import kernel
 
-__all__ = ["SECRET", "fast_chain", "keyed_chain", "secret_table", "siphash13_128"]
+__all__ = ["SECRET", "fast_chain", "fast_chain_odd", "keyed_chain", "secret_table",
+           "siphash13_128"]
 
 U64 = np.uint64
 M32 = U64(0xFFFFFFFF)
@@ -98,33 +99,53 @@ def siphash13_128(data, k0, k1):
     return _sip_final(v0, v1, v2, v3)
 
 
+@kernel(inline="always")
+def _token_word(tokens, i):
+    """Tokens i and i + 1 as one little-endian u64 (two uint32)."""
+    return U64(np.uint32(tokens[i])) | U64(np.uint32(tokens[i + 1])) << U64(32)
+
+
+@kernel(inline="always")
+def _sip_tokens(tokens, base, count, k0, k1):
+    """SipHash state after ``count`` (even) tokens from ``base``, and the
+    OR of the tokens (bits above 32: one outside 0..2**32-1)."""
+    v0, v1, v2, v3 = _sip_init(k0, k1)
+    seen = np.int64(0)
+    for j in range(base, base + count, 2):
+        seen |= np.int64(tokens[j]) | np.int64(tokens[j + 1])
+        v0, v1, v2, v3 = _sip_word(v0, v1, v2, v3, _token_word(tokens, j))
+    return v0, v1, v2, v3, seen
+
+
 @kernel
 def keyed_chain(tokens, block_size, k0, k1, p0, p1, out):
-    """SipHash-1-3-128 chain over the first ``out.shape[0]`` blocks."""
+    """SipHash-1-3-128 chain over the first ``out.shape[0]`` blocks; -1, or
+    the first block with a token outside 0..2**32-1 (nothing hashed from it
+    on).  A block's tokens come before its parent in the message, so the
+    next block's tokens are compressed while this block's tail (which waits
+    for the parent) is: the two chains of work run side by side."""
     length_word = U64((4 * block_size + 16) & 0xFF) << U64(56)
     odd = block_size % 2
-    for block in range(out.shape[0]):
-        base = block * block_size
-        v0, v1, v2, v3 = _sip_init(k0, k1)
-        for j in range(0, block_size - odd, 2):
-            t0, t1 = tokens[base + j], tokens[base + j + 1]
-            if t0 < 0 or t0 > TOKEN_MAX:
-                return base + j
-            if t1 < 0 or t1 > TOKEN_MAX:
-                return base + j + 1
-            v0, v1, v2, v3 = _sip_word(v0, v1, v2, v3, U64(t0) | U64(t1) << U64(32))
-        if odd:  # the last token shares a word with the parent's first half-word
-            t0 = tokens[base + block_size - 1]
-            if t0 < 0 or t0 > TOKEN_MAX:
-                return base + block_size - 1
-            v0, v1, v2, v3 = _sip_word(v0, v1, v2, v3, U64(t0) | (p0 & M32) << U64(32))
-            v0, v1, v2, v3 = _sip_word(v0, v1, v2, v3, p0 >> U64(32) | (p1 & M32) << U64(32))
-            v0, v1, v2, v3 = _sip_word(v0, v1, v2, v3, p1 >> U64(32) | length_word)
+    pairs = block_size - odd
+    count = out.shape[0]
+    if count == 0:
+        return -1
+    v0, v1, v2, v3, seen = _sip_tokens(tokens, 0, pairs, k0, k1)
+    for block in range(count):
+        last = np.int64(tokens[block * block_size + pairs]) if odd else np.int64(0)
+        if (seen | last) >> 32 != 0:
+            return block
+        if odd:  # the last token shares a word with the parent's low half
+            a0, a1, a2, a3 = _sip_word(v0, v1, v2, v3, U64(last) | p0 << U64(32))
+            a0, a1, a2, a3 = _sip_word(a0, a1, a2, a3, p0 >> U64(32) | p1 << U64(32))
+            a0, a1, a2, a3 = _sip_word(a0, a1, a2, a3, p1 >> U64(32) | length_word)
         else:
-            v0, v1, v2, v3 = _sip_word(v0, v1, v2, v3, p0)
-            v0, v1, v2, v3 = _sip_word(v0, v1, v2, v3, p1)
-            v0, v1, v2, v3 = _sip_word(v0, v1, v2, v3, length_word)
-        p0, p1 = _sip_final(v0, v1, v2, v3)
+            a0, a1, a2, a3 = _sip_word(v0, v1, v2, v3, p0)
+            a0, a1, a2, a3 = _sip_word(a0, a1, a2, a3, p1)
+            a0, a1, a2, a3 = _sip_word(a0, a1, a2, a3, length_word)
+        if block + 1 < count:
+            v0, v1, v2, v3, seen = _sip_tokens(tokens, (block + 1) * block_size, pairs, k0, k1)
+        p0, p1 = _sip_final(a0, a1, a2, a3)
         out[block, 0] = p0
         out[block, 1] = p1
     return -1
@@ -180,8 +201,13 @@ def _avalanche(h):
 
 @kernel(inline="always")
 def _read64(message, offset):
-    """Little-endian uint64 at byte ``offset`` (a multiple of 4) of a uint32 message."""
-    return U64(message[offset >> 2]) | U64(message[(offset >> 2) + 1]) << U64(32)
+    """Little-endian u64 at byte ``offset`` (a multiple of 4) of a message
+    held in u64 words.  The words are written whole (a load that straddles
+    two narrower stores would wait for both to reach the cache)."""
+    word = offset >> 3
+    if offset & 7 == 0:
+        return message[word]
+    return (message[word] >> U64(32)) | (message[word + 1] << U64(32))
 
 
 @kernel(inline="always")
@@ -244,22 +270,9 @@ def _xxh3_long(message, length, secret, acc):
 
 
 @kernel(inline="always")
-def _xxh3_128(message, length, secret, seed, acc):
-    """XXH3-128 of the first ``length`` (17.., a multiple of 4) bytes of a
-    uint32 message."""
-    if length > 240:
-        return _xxh3_long(message, length, secret, acc)
+def _xxh3_upto128(message, length, secret, seed):
+    """XXH3-128 of a 17..128-byte message."""
     low, high = U64(length) * P64_1, U64(0)
-    if length > 128:
-        for i in range(4):
-            low, high = _mix32(low, high, message, 32 * i, 32 * i + 16, secret, 32 * i, seed)
-        low, high = _avalanche(low), _avalanche(high)
-        for i in range(4, length // 32):
-            low, high = _mix32(low, high, message, 32 * i, 32 * i + 16, secret,
-                               3 + 32 * (i - 4), seed)
-        low, high = _mix32(low, high, message, length - 16, length - 32, secret, 136 - 17 - 16,
-                           U64(0) - seed)
-        return _finish(low, high, length, seed)
     if length > 32:
         if length > 64:
             if length > 96:
@@ -270,25 +283,80 @@ def _xxh3_128(message, length, secret, seed, acc):
     return _finish(low, high, length, seed)
 
 
+@kernel(inline="always")
+def _xxh3_upto240(message, length, secret, seed):
+    """XXH3-128 of a 129..240-byte message."""
+    low, high = U64(length) * P64_1, U64(0)
+    for i in range(4):
+        low, high = _mix32(low, high, message, 32 * i, 32 * i + 16, secret, 32 * i, seed)
+    low, high = _avalanche(low), _avalanche(high)
+    for i in range(4, length // 32):
+        low, high = _mix32(low, high, message, 32 * i, 32 * i + 16, secret, 3 + 32 * (i - 4),
+                           seed)
+    low, high = _mix32(low, high, message, length - 16, length - 32, secret, 136 - 17 - 16,
+                       U64(0) - seed)
+    return _finish(low, high, length, seed)
+
+
 @kernel
 def fast_chain(tokens, block_size, seed, secret, p0, p1, out):
-    """XXH3-128 chain over the first ``out.shape[0]`` blocks (``secret``
-    from `secret_table` for this seed and message length)."""
-    message = np.empty(block_size + 4, dtype=np.uint32)
+    """XXH3-128 chain over the first ``out.shape[0]`` blocks of an even
+    ``block_size`` (``secret`` from `secret_table` for this seed and message
+    length); -1, or the first block with a token outside 0..2**32-1.  The
+    message is the block's token pairs, then the parent, as u64 words
+    written whole (a load that straddles narrower stores waits for them)."""
+    half = block_size // 2
+    message = np.empty(half + 2, dtype=np.uint64)
     acc = np.empty(8, dtype=np.uint64)
     length = 4 * block_size + 16
     for block in range(out.shape[0]):
         base = block * block_size
-        for j in range(block_size):
-            token = tokens[base + j]
-            if token < 0 or token > TOKEN_MAX:
-                return base + j
-            message[j] = np.uint32(token)
-        message[block_size] = np.uint32(p0 & M32)
-        message[block_size + 1] = np.uint32(p0 >> U64(32))
-        message[block_size + 2] = np.uint32(p1 & M32)
-        message[block_size + 3] = np.uint32(p1 >> U64(32))
-        p0, p1 = _xxh3_128(message, length, secret, seed, acc)
+        seen = np.int64(0)
+        for j in range(half):
+            seen |= np.int64(tokens[base + 2 * j]) | np.int64(tokens[base + 2 * j + 1])
+            message[j] = _token_word(tokens, base + 2 * j)
+        message[half] = p0
+        message[half + 1] = p1
+        if seen >> 32 != 0:
+            return block
+        if length <= 128:  # written out here: a helper with three returns is slower
+            p0, p1 = _xxh3_upto128(message, length, secret, seed)
+        elif length <= 240:
+            p0, p1 = _xxh3_upto240(message, length, secret, seed)
+        else:
+            p0, p1 = _xxh3_long(message, length, secret, acc)
+        out[block, 0] = p0
+        out[block, 1] = p1
+    return -1
+
+
+@kernel
+def fast_chain_odd(tokens, block_size, seed, secret, p0, p1, out):
+    """`fast_chain` for an odd ``block_size``: the last token shares a word
+    with the parent's low half."""
+    half = block_size // 2
+    message = np.empty(half + 3, dtype=np.uint64)
+    acc = np.empty(8, dtype=np.uint64)
+    length = 4 * block_size + 16
+    for block in range(out.shape[0]):
+        base = block * block_size
+        seen = np.int64(0)
+        for j in range(half):
+            seen |= np.int64(tokens[base + 2 * j]) | np.int64(tokens[base + 2 * j + 1])
+            message[j] = _token_word(tokens, base + 2 * j)
+        last = np.int64(tokens[base + block_size - 1])
+        seen |= last
+        message[half] = U64(last & 0xFFFFFFFF) | p0 << U64(32)
+        message[half + 1] = p0 >> U64(32) | p1 << U64(32)
+        message[half + 2] = p1 >> U64(32)
+        if seen >> 32 != 0:
+            return block
+        if length <= 128:  # written out here: a helper with three returns is slower
+            p0, p1 = _xxh3_upto128(message, length, secret, seed)
+        elif length <= 240:
+            p0, p1 = _xxh3_upto240(message, length, secret, seed)
+        else:
+            p0, p1 = _xxh3_long(message, length, secret, acc)
         out[block, 0] = p0
         out[block, 1] = p1
     return -1
