@@ -26,6 +26,8 @@ at free chunks.
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 from tract._native._localmutex import LocalMutex
@@ -76,9 +78,11 @@ class _Check:
             self.pool.clock.sleep(self.header.lease_timeout * 1.25)
             self._observe()
         if self.repair:
-            with self.pool.lock("alloc")(self.header.lease_timeout * 4), \
-                    self.pool.lock("objects")(self.header.lease_timeout * 4), \
-                    self.pool.lock("index")(self.header.lease_timeout * 4):
+            names = {name for _, name in self.header.lock_names}
+            with contextlib.ExitStack() as held:  # the index lock where the pool has one
+                for name in ("alloc", "objects", "index"):
+                    if name in names:
+                        held.enter_context(self.pool.lock(name)(self.header.lease_timeout * 4))
                 chunks = self._allocator()
         else:
             chunks = self._allocator()
