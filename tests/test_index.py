@@ -93,6 +93,22 @@ def _payload(key, length):
     return head + bytes(b ^ 0x5A for b in body)
 
 
+def _write_payloads(region, reserved, streaming=True):
+    """Each reservation's payload (naming its key) copied in, streaming or
+    by plain stores and flushes left for `publish` to fence; their checksums."""
+    sums = []
+    for r in reserved:
+        if r is None:
+            sums.append(0)
+            continue
+        data = _payload(r.key, r.length)
+        region.copy_in(r.offset, data, nontemporal=streaming)
+        if not streaming:
+            region.flush(r.offset, r.length, payload=True)
+        sums.append(zlib.crc32(data))
+    return sums
+
+
 def _sim_pool(seed, nodes, chaos, capacity=16, lease=SIM_LEASE):
     pool = SimPool(192 * 1024, hosts=nodes, seed=seed, chaos=chaos, max_steps=1_500_000)
     format_pool(pool.hosts[0], max_nodes=nodes, locks=("alloc", "objects", "index"),
@@ -131,15 +147,7 @@ def run_index(seed, chaos=0.2, rounds=5):
                 reserved = handle.index.reserve(chain, 256, tokens=16, timeout=100 * SIM_LEASE)
             except PoolFull:
                 continue
-            sums = []
-            for r in reserved:
-                if r is None:
-                    sums.append(0)
-                    continue
-                data = _payload(r.key, r.length)
-                host.copy_in(r.offset, data, nontemporal=False)
-                host.flush(r.offset, r.length, payload=True)  # publish's lock fences it
-                sums.append(zlib.crc32(data))
+            sums = _write_payloads(host, reserved, streaming=False)  # publish's lock fences
             counts["published"] += sum(handle.index.publish(reserved, sums,
                                                             timeout=100 * SIM_LEASE))
         finished[0] = True
@@ -359,17 +367,9 @@ def _create(path, size=16 << 20, capacity=256, **options):
                 lease_timeout=options.pop("lease_timeout", 0.5), **options)
 
 
-def _publish(pool, keys, size=4096, pin_check=True):
+def _publish(pool, keys, size=4096):
     reserved = pool.index.reserve(keys, size, tokens=16)
-    sums = []
-    for r in reserved:
-        if r is None:
-            sums.append(0)
-            continue
-        data = _payload(r.key, r.length)
-        pool.region.copy_in(r.offset, data)
-        sums.append(zlib.crc32(data))
-    return reserved, pool.index.publish(reserved, sums)
+    return reserved, pool.index.publish(reserved, _write_payloads(pool.region, reserved))
 
 
 def _read_hits(pool, hits, keys):

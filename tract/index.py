@@ -189,10 +189,6 @@ class Index:
         self.region.scatter_lines(offsets, entries.view(np.uint8))
         self.region.flush_lines(offsets)
 
-    def pin_area(self) -> tuple[int, int]:
-        """(offset, length) of this node's pin words."""
-        return self.node_base + self.pool.node * self.node_bytes, self.node_bytes
-
     # ------------------------------------------------------------ lookup
 
     def _probe(self, keys: np.ndarray, leading: bool):
@@ -333,7 +329,7 @@ class Index:
                 break
             except _IndexFull as full:  # make room: evict, then try again
                 if attempt == 3 or not self.evict(full.missing, timeout=timeout):
-                    for offset in payloads:
+                    for offset in payloads.tolist():
                         self.pool.free(offset)
                     raise PoolFull(str(full)) from None
         for offset in unused:
