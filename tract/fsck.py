@@ -131,7 +131,7 @@ class _Check:
 
     # ------------------------------------------------------------ allocator
 
-    def _objects(self) -> dict[int, list]:
+    def _references(self) -> dict[int, list]:
         """chunk -> [(area, record offset, what, fix)] of the object records
         and index entries that point into it."""
         referenced: dict[int, list] = {}
@@ -184,7 +184,7 @@ class _Check:
         if beyond.size:
             self.problem("allocator", layout.bitmap, f"bits set past the last chunk: "
                          f"{beyond[:8].tolist()}")
-        referenced = self._objects()
+        referenced = self._references()
         local = self.pool.nodes_on_this_host()
         counts = dict(free=0, owned=0, referenced=0, slab=0, leaked=0)
         owners = {}

@@ -177,6 +177,16 @@ class Index:
         return lines.view(np.uint64)
 
     @staticmethod
+    def _set_state(entries: np.ndarray, state: int) -> None:
+        entries[:, 3] = (entries[:, 3] & ~np.uint64(0xFF)) | np.uint64(state)
+
+    @staticmethod
+    def _tombstone(entries: np.ndarray) -> None:
+        """Tombstones in place: the version kept, key and payload gone."""
+        entries[:, [0, 1, 4, 5, 6]] = 0
+        entries[:, 3] = TOMBSTONE
+
+    @staticmethod
     def _whole(entries: np.ndarray) -> np.ndarray:
         ok = np.empty(entries.shape[0], dtype=np.bool_)
         probe.whole(entries, ok)
@@ -405,7 +415,7 @@ class Index:
         words = self._pin_words(np.array([r.slot for r in mine]))
         self.region.store_u32s(words + 4, self.stamp())
         self.region.flush_lines(words & ~(LINE - 1))
-        ours, _ = self._finish(mine, READY, sums, timeout)
+        ours = self._finish(mine, READY, sums, timeout)
         for r, ok in zip(mine, ours):
             if not ok:
                 self.pool.free(r.offset)
@@ -419,14 +429,14 @@ class Index:
         """Give up reserved entries (tombstones) and their payloads."""
         mine = [r for r in reservations if r is not None]
         if mine:
-            ours, _ = self._finish(mine, TOMBSTONE, None, timeout)
+            ours = self._finish(mine, TOMBSTONE, None, timeout)
             for r, ok in zip(mine, ours):
                 if ok:
                     self.pool.free(r.offset)
 
     def _finish(self, mine: list[Reservation], state: int, checksums, timeout):
         """Under the lock: the reserved entries still WRITING by this node
-        at their version become ``state``; returns (which did, slots)."""
+        at their version become ``state``; returns which did."""
         slots = np.array([r.slot for r in mine], dtype=np.int64)
         expected = np.array([[*r.key, r.version, WRITING | (self.pool.node + 1) << 8, r.offset,
                               self.pool.epoch & 0xFFFFFFFF] for r in mine], dtype=np.uint64)
@@ -442,14 +452,13 @@ class Index:
             done = entries[ours]
             done[:, 2] += np.uint64(1)
             if state == READY:
-                done[:, 3] = (done[:, 3] & ~np.uint64(0xFF)) | np.uint64(READY)
+                self._set_state(done, READY)
                 done[:, 6] = (done[:, 6] & np.uint64(0xFFFFFFFF)) | \
                     checksums[ours] << np.uint64(32)
             else:
-                done[:, [0, 1, 4, 5, 6]] = 0
-                done[:, 3] = TOMBSTONE
+                self._tombstone(done)
             self._write(slots[ours], done)
-        return ours, slots
+        return ours
 
     # ---------------------------------------------------------- eviction
 
@@ -464,7 +473,11 @@ class Index:
             slots = (self._hand + np.arange(window + 1)) & self.mask  # and the slot after
             self._hand = (self._hand + window) & self.mask
             entries = self._read(self._entries(slots)).copy()
-            ready = self._whole(entries) & ((entries[:, 3] & np.uint64(0xFF)) == READY)
+            low, high = self.heap
+            offsets, lengths = entries[:, 4].astype(np.int64), entries[:, 5].astype(np.int64)
+            # an entry naming a payload outside the heap is fsck's to clear (R5)
+            ready = (self._whole(entries) & ((entries[:, 3] & np.uint64(0xFF)) == READY)
+                     & (offsets >= low) & (lengths > 0) & (lengths <= high - offsets))
             ready[window:] = False
             if ready.any():
                 live = [node for node in range(self.max_nodes)
@@ -478,28 +491,27 @@ class Index:
                 lock.check()
                 marked = entries[chosen]
                 marked[:, 2] += np.uint64(1)
-                marked[:, 3] = (marked[:, 3] & ~np.uint64(0xFF)) | np.uint64(EVICTING)
+                self._set_state(marked, EVICTING)
                 self._write(slots[chosen], marked)
                 self.region.fence()  # EVICTING is in memory before the pins are dropped and read
                 pins, _ = self._pins(slots[chosen], live)
-                lock.check()
                 marked[:, 2] += np.uint64(1)
                 evicted = pins == 0
                 freed = marked[evicted, 4].astype(np.int64).tolist()
-                gone = marked[evicted]
-                gone[:, [0, 1, 4, 5, 6]] = 0
-                gone[:, 3] = TOMBSTONE
-                marked[evicted] = gone
-                marked[~evicted, 3] = (marked[~evicted, 3] & ~np.uint64(0xFF)) | np.uint64(READY)
+                gone, kept = marked[evicted], marked[~evicted]
+                self._tombstone(gone)
+                self._set_state(kept, READY)
+                marked[evicted], marked[~evicted] = gone, kept
                 entries[chosen] = marked
-            self._trim(slots, entries, chosen)
+            self._trim(slots, entries, chosen, lock)
         for offset in freed:  # tombstones are in memory (the release fenced them)
             self.pool.free(offset)
         return len(freed)
 
-    def _trim(self, slots: np.ndarray, entries: np.ndarray, changed: np.ndarray) -> None:
+    def _trim(self, slots: np.ndarray, entries: np.ndarray, changed: np.ndarray, lock) -> None:
         """Write ``entries[changed]`` and make every tombstone of the window
-        that an empty slot follows empty (version kept), back to front."""
+        that an empty slot follows empty (version kept), back to front;
+        the lock's epoch is checked before anything is written (R6)."""
         empty = np.empty(slots.size, dtype=np.bool_)
         probe.empty(entries, empty)
         tombstone = self._whole(entries) & ((entries[:, 3] & np.uint64(0xFF)) == TOMBSTONE)
@@ -512,6 +524,7 @@ class Index:
         if trimmed:
             entries[trimmed, 3] = EMPTY_STATE
         if rows.size:
+            lock.check()
             self._write(slots[rows], entries[rows])
 
     def _pins(self, slots: np.ndarray, nodes: list[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -569,20 +582,15 @@ class Index:
         """Make ``slot`` a tombstone whatever it held (fsck --repair, under
         the ``index`` lock); its payload is left to the allocator's reclaim."""
         entry = self._read(self._entries(np.array([slot]))).copy()
-        entry[0] = [0, 0, entry[0, 2] + np.uint64(1), TOMBSTONE, 0, 0, 0, 0]
+        entry[:, 2] += np.uint64(1)
+        self._tombstone(entry)
         self._write(np.array([slot]), entry)  # the lock's release fences it
 
     def stats(self) -> dict[str, int]:
-        """Entries by state (a torn one counts as torn)."""
-        names = {0: "empty", WRITING: "writing", READY: "ready", EVICTING: "evicting",
-                 TOMBSTONE: "tombstone"}
-        counts = dict.fromkeys([*names.values(), "torn"], 0)
-        for first in range(0, self.capacity, 4096):
-            entries = self._read(self._entries(np.arange(first, min(first + 4096,
-                                                                     self.capacity))))
-            for entry, sealed in zip(entries, self._whole(entries)):
-                if not entry.any():
-                    counts["empty"] += 1
-                else:
-                    counts[names.get(int(entry[3]) & 0xFF, "torn") if sealed else "torn"] += 1
+        """Entries by state (`scan`'s; "torn": torn or corrupt)."""
+        counts = dict.fromkeys(["empty", "writing", "ready", "evicting", "tombstone", "torn"], 0)
+        found = self.scan()
+        for _, state, _, _ in found:
+            counts["torn" if state == "bad" else state] += 1
+        counts["empty"] = self.capacity - len(found)
         return counts
