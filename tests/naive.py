@@ -114,15 +114,28 @@ def _decode(entry):
             "writer": ((entry[3] >> 8) & 0xFFFF) - 1, "epoch": entry[6] & 0xFFFFFFFF}
 
 
-def probe_lookup(keys, lines):
-    """[(code, position)] per key: the first whole entry of the key decides."""
+UNKNOWN = 0xFFFF
+
+
+def reach(entry):
+    """A slot's reach: word 3 bits 24..39 of a whole entry, 0 for a
+    never-used slot, UNKNOWN for a torn line."""
+    if not any(int(word) for word in entry):
+        return 0
+    e = _decode(entry)
+    return (int(entry[3]) >> 24) & 0xFFFF if e["whole"] else UNKNOWN
+
+
+def probe_lookup(keys, lines, reaches, scanned):
+    """[(code, position)] per key: the first whole entry of the key decides;
+    an empty slot or the home's reach ends the chain."""
     result = []
-    for key, window in zip(keys, lines):
+    for key, window, far in zip(keys, lines, reaches):
         key = (int(key[0]), int(key[1]))
         outcome = (CONTINUE, -1)
         for position, entry in enumerate(window):
             e = _decode(entry)
-            if e["empty"]:
+            if e["empty"] or (far != UNKNOWN and scanned + position > far):
                 outcome = (MISS, position)
                 break
             if e["whole"] and e["key"] == key and e["state"] in (READY, WRITING, EVICTING):
@@ -133,35 +146,80 @@ def probe_lookup(keys, lines):
 
 
 def probe_reserve(keys, lines, start, mask, widths, live_epochs):
-    """[(code, position)] per key, keys in turn, with the slots taken by
-    earlier keys of the batch held in a dict (slot -> key)."""
-    taken, result = {}, []
+    """[(code, position)] per key, keys in turn: a key seen before in the
+    batch repeats its outcome; slots taken by earlier keys are held in a
+    dict (slot -> key)."""
+    taken, seen, result = {}, {}, []
     capacity = mask + 1
     for key, window, first, width in zip(keys, lines, start, widths):
         key = (int(key[0]), int(key[1]))
+        if key in seen:
+            code, position = seen[key]
+            result.append((EXISTS if code == FREE else code, position))
+            continue
+        far = reach(window[0])
         outcome, reusable = (CONTINUE, -1), None
         window_slots = [(int(first) + w) & mask for w in range(int(width))]
         for position, (entry, slot) in enumerate(zip(window[:width], window_slots)):
-            if slot in taken:
-                if taken[slot] == key:
-                    outcome = (EXISTS, position)
-                    break
-                continue
             e = _decode(entry)
-            if e["empty"]:
-                outcome = (FREE, position if reusable is None else reusable)
-                break
             dead = (e["state"] == WRITING and e["whole"]
                     and not (0 <= e["writer"] < len(live_epochs)
                              and int(live_epochs[e["writer"]]) == e["epoch"]))
-            if e["whole"] and e["key"] == key and e["state"] != TOMBSTONE and not dead:
+            if not e["empty"] and e["whole"] and e["key"] == key \
+                    and e["state"] != TOMBSTONE and not dead:
                 outcome = (EXISTS, position)
                 break
-            if reusable is None and (not e["whole"] or e["state"] == TOMBSTONE or dead):
+            usable = e["empty"] or not e["whole"] or e["state"] == TOMBSTONE or dead
+            if usable and reusable is None and slot not in taken:
                 reusable = position
+            if reusable is not None and (e["empty"] or (far != UNKNOWN and position >= far)):
+                outcome = (FREE, reusable)
+                break
         if outcome[0] == CONTINUE and width >= capacity and reusable is not None:
             outcome = (FREE, reusable)
         if outcome[0] == FREE:
-            taken[int(window_slots[outcome[1]])] = key
+            taken[window_slots[outcome[1]]] = key
+        seen[key] = outcome
         result.append(outcome)
     return result
+
+
+def reaches(lines, count, mask, first):
+    """Per slot of the first ``count``: the farthest whole live entry homed
+    there within its recorded reach (the recorded reach when it is unknown,
+    a torn line lies within it, or the lines end first)."""
+    result = []
+    for h in range(count):
+        known = reach(lines[h])
+        if known == UNKNOWN or h + known >= len(lines):
+            result.append(known)
+            continue
+        farthest = 0
+        for p in range(h, h + known + 1):
+            e = _decode(lines[p])
+            if e["empty"]:
+                continue
+            if not e["whole"]:
+                farthest = known
+                break
+            if e["state"] in (WRITING, READY, EVICTING) and e["key"][0] % (mask + 1) == \
+                    (first + h) % (mask + 1):
+                farthest = p - h
+        result.append(farthest)
+    return result
+
+
+def raise_reaches(keys, slots, homes, mask, reaches):
+    """(reaches, {home slot: raised reach}): the reach each home needs
+    after keys are placed at slots; a home among the slots takes it in
+    ``reaches``, another is raised when its known reach falls short."""
+    reaches, raised = list(reaches), {}
+    where = {int(slot): row for row, slot in reversed(list(enumerate(slots)))}
+    for key, slot, home_line in zip(keys, slots, homes):
+        home = int(key[0]) % (mask + 1)
+        distance = (int(slot) - home) % (mask + 1)
+        if home in where:
+            reaches[where[home]] = max(reaches[where[home]], distance)
+        elif reach(home_line) != UNKNOWN and distance > reach(home_line):
+            raised[home] = max(raised.get(home, 0), distance)
+    return reaches, raised

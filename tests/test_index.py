@@ -49,7 +49,8 @@ def _random_window(rng, keys, width, nodes, among=None):
             entry[2] = rng.randrange(1, 9)
             state = rng.choice([probe.EMPTY, probe.WRITING, probe.READY, probe.EVICTING,
                                 probe.TOMBSTONE, 7])
-            entry[3] = state | (rng.randrange(nodes + 1) + 1) << 8 | rng.randrange(50) << 32
+            entry[3] = state | (rng.randrange(nodes + 1) + 1) << 8 | \
+                rng.choice([0, 0, 1, 2, 5]) << 24 | rng.randrange(50) << 40
             entry[6] = rng.randrange(1, 4)
             entry[7] = naive.entry_check(entry)
             if rng.random() < 0.1:
@@ -70,8 +71,11 @@ def test_probe_kernels_match_their_twins():
                 assert int(probe.entry_check(row)) == naive.entry_check(row) or \
                     int(row[7]) != naive.entry_check(row)
         codes, where = np.empty(count, np.int64), np.empty(count, np.int64)
-        probe.probe_lookup(keys, lines, codes, where)
-        assert list(zip(codes.tolist(), where.tolist())) == naive.probe_lookup(keys, lines)
+        reaches = np.array([rng.choice([0, 1, 3, naive.UNKNOWN]) for _ in range(count)])
+        scanned = rng.choice([0, 2])
+        probe.probe_lookup(keys, lines, reaches, scanned, codes, where)
+        assert list(zip(codes.tolist(), where.tolist())) == \
+            naive.probe_lookup(keys, lines, reaches.tolist(), scanned)
         # the reserve kernel sees one table: a slot holds the same entry in every window
         mask = rng.choice([7, 15])
         table = _random_window(rng, keys[:1], mask + 1, nodes, among=keys)[0]
@@ -82,6 +86,25 @@ def test_probe_kernels_match_their_twins():
         probe.probe_reserve(keys, table_lines, start, mask, widths, live, codes, where)
         assert list(zip(codes.tolist(), where.tolist())) == \
             naive.probe_reserve(keys, table_lines, start, mask, widths, live)
+        found = np.empty(mask + 1, np.int64)
+        probe.reach(table, found)
+        assert found.tolist() == [naive.reach(entry) for entry in table]
+        count = rng.randint(1, mask + 1)
+        first = rng.randrange(mask + 1)
+        probe.reaches(table, count, mask, first, found)
+        assert found[:count].tolist() == naive.reaches(table, count, mask, first)
+        slots = np.array(rng.sample(range(mask + 1), count), dtype=np.int64)
+        homes = table[(keys[:, 0].astype(np.int64) & mask)][np.arange(count) % len(keys)]
+        batch = keys[np.arange(count) % len(keys)]
+        reaches = np.array([rng.randrange(4) for _ in range(count)], dtype=np.int64)
+        want = naive.raise_reaches(batch, slots, homes, mask, reaches.tolist())
+        raised_slots, raised = np.empty(count, np.int64), np.empty((count, 8), np.uint64)
+        n = probe.raise_reaches(batch, slots, homes, mask, reaches, raised_slots, raised)
+        assert (reaches.tolist(), {int(slot): (int(line[3]) >> 24) & 0xFFFF
+                                   for slot, line in zip(raised_slots[:n], raised[:n])}) == want
+        for slot, line in zip(raised_slots[:n], raised[:n]):  # the home line, but for its reach
+            assert (line ^ table[slot]).tolist() == [0, 0, 0, int(line[3] ^ table[slot][3])
+                                                     & 0xFFFF << 24, 0, 0, 0, 0]
 
 
 # ----------------------------------------------------------- simulator runs
@@ -326,7 +349,6 @@ def run_recency(seed):
     writer, reader, evictor = (handle.index for handle in handles)
 
     def evict(count, expect_gone):
-        evictor._hand = 0
         assert evictor.evict(count, window=last + 1) == count
         gone = {name for name in key if evictor.lookup(key[name]) == 0}
         if gone != expect_gone:

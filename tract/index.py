@@ -53,18 +53,22 @@ import dataclasses
 
 import numpy as np
 
-from tract._kernels import probe
+from tract._kernels import indexfast, probe
 from tract._kernels.probe import EMPTY as EMPTY_STATE
-from tract._kernels.probe import CONTINUE, EVICTING, FREE, HIT, READY, TOMBSTONE, WRITING
+from tract._kernels.probe import (CONTINUE, EVICTING, FREE, HIT, READY, TOKENS_MAX, TOMBSTONE,
+                                  UNKNOWN, WRITING)
 from tract.errors import CorruptionError, PoolFull
 from tract.lease import LINE
+from tract._native._region import INSTRUCTIONS, Region
 
-__all__ = ["Hit", "Hits", "Index", "Reservation", "STAMP_HZ"]
+__all__ = ["Hit", "Hits", "Index", "Reservation", "Reservations", "STAMP_HZ"]
 
 ENTRY_BYTES = 64
 STAMP_HZ = 4  # access stamps: quarter seconds of wall time since 2020
 _STAMP_EPOCH = 1_577_836_800
 _PIN_MAX = 0xFFFFFFFF
+_REACH_BITS = np.uint64(UNKNOWN << 24)
+EVICT_RUN = 16  # eviction samples runs of this many slots
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,7 +99,7 @@ class Hits:
     def __getitem__(self, row: int) -> Hit:
         entry = self.entries[row]
         return Hit((int(entry[0]), int(entry[1])), int(self.slots[row]), int(entry[2]),
-                   int(entry[4]), int(entry[5]), int(entry[3] >> np.uint64(32)),
+                   int(entry[4]), int(entry[5]), int(entry[3] >> np.uint64(40)),
                    int(entry[6] >> np.uint64(32)))
 
     def __iter__(self):
@@ -123,6 +127,38 @@ class Reservation:
     tokens: int
 
 
+class Reservations:
+    """The outcome of `Index.reserve`, one row per key: ``taken[row]`` when
+    the key got a WRITING entry (else it was present or being written);
+    ``reservations[row]`` is its `Reservation` or None.  Copy each taken
+    row's payload to its offset, then `Index.publish` (or `Index.abort`)."""
+
+    __slots__ = ("entries", "slots", "taken")
+
+    def __init__(self, taken: np.ndarray, slots: np.ndarray, entries: np.ndarray):
+        self.taken, self.slots, self.entries = taken, slots, entries
+
+    def __len__(self) -> int:
+        return self.taken.size
+
+    def __getitem__(self, row):
+        if isinstance(row, slice):
+            return Reservations(self.taken[row], self.slots[row], self.entries[row])
+        if not self.taken[row]:
+            return None
+        entry = self.entries[row]
+        return Reservation((int(entry[0]), int(entry[1])), int(self.slots[row]), int(entry[2]),
+                           int(entry[4]), int(entry[5]), int(entry[3] >> np.uint64(40)))
+
+    def __iter__(self):
+        return (self[row] for row in range(len(self)))
+
+    @property
+    def offsets(self) -> np.ndarray:
+        """Payload offsets (0 where not taken)."""
+        return self.entries[:, 4].astype(np.int64)
+
+
 class _IndexFull(Exception):
     def __init__(self, message: str, missing: int):
         super().__init__(message)
@@ -140,7 +176,7 @@ def _keys(keys) -> np.ndarray:
 class Index:
     """One node's view of a pool's prefix index (`pool.index`)."""
 
-    def __init__(self, pool):
+    def __init__(self, pool, fast: bool = True):
         header = pool.header
         self.pool = pool
         self.region = pool.region
@@ -153,8 +189,22 @@ class Index:
         self.heap = (header.heap, header.heap_end)
         clock = pool.clock
         self.stamp = lambda: max(0, int((clock.wall() - _STAMP_EPOCH) * STAMP_HZ)) & _PIN_MAX
-        self._hand = int.from_bytes(header.hash_key[:4], "little") & self.mask
+        # eviction samples runs of slots at random (holes stay spread out)
+        self._sample = np.random.default_rng([int.from_bytes(header.hash_key[:8], "little"),
+                                              pool.node or 0])
         self._live: tuple[float, np.ndarray] | None = None
+        # on a real mapping, the batch steps run as one kernel call each
+        # (`tract._kernels.indexfast`); on the simulator, as Python steps
+        self._fast = fast and isinstance(self.region, Region)
+        if self._fast:
+            control = self.region.cache_control
+            self._read_insn = INSTRUCTIONS[control.payload]
+            self._flush_insn = INSTRUCTIONS[control.flush]
+            if (self.base + self.capacity * ENTRY_BYTES > self.region.size
+                    or self.node_bytes < self.capacity * 8
+                    or self.node_base + self.max_nodes * self.node_bytes > self.region.size):
+                raise CorruptionError(f"prefix index areas at {self.base} and {self.node_base}"
+                                      f" do not fit the {self.region.size}-byte mapping")
 
     # ------------------------------------------------------------ layout
 
@@ -182,9 +232,21 @@ class Index:
 
     @staticmethod
     def _tombstone(entries: np.ndarray) -> None:
-        """Tombstones in place: the version kept, key and payload gone."""
+        """Tombstones in place: the version and the slot's reach kept, key
+        and payload gone."""
         entries[:, [0, 1, 4, 5, 6]] = 0
-        entries[:, 3] = TOMBSTONE
+        entries[:, 3] = (entries[:, 3] & _REACH_BITS) | np.uint64(TOMBSTONE)
+
+    @staticmethod
+    def _set_reach(entries: np.ndarray, reaches: np.ndarray) -> None:
+        entries[:, 3] = (entries[:, 3] & ~_REACH_BITS) | \
+            np.minimum(reaches, UNKNOWN).astype(np.uint64) << np.uint64(24)
+
+    @staticmethod
+    def _reach(entries: np.ndarray) -> np.ndarray:
+        out = np.empty(entries.shape[0], dtype=np.int64)
+        probe.reach(entries, out)
+        return out
 
     @staticmethod
     def _whole(entries: np.ndarray) -> np.ndarray:
@@ -209,7 +271,12 @@ class Index:
         codes = np.full(count, CONTINUE, dtype=np.int64)
         slots = np.full(count, -1, dtype=np.int64)
         entries = np.zeros((count, 8), dtype=np.uint64)
+        if self._fast:
+            indexfast.lookup(self.region.base, self.base, self.mask, self.capacity,
+                             self._read_insn, keys, leading, codes, slots, entries)
+            return codes, slots, entries
         start = (keys[:, 0] & np.uint64(self.mask)).astype(np.int64)
+        reaches = np.empty(count, dtype=np.int64)
         pending, left, scanned, width = np.arange(count), count, 0, 2
         while left:
             if scanned >= self.capacity:  # a table of tombstones: nothing more to find
@@ -219,7 +286,7 @@ class Index:
             window = (start[pending[:left], None] + (scanned + np.arange(width))) & self.mask
             lines = self._read(self._entries(window.ravel())).reshape(left, width, 8)
             left = probe.collect(keys, pending, left, lines, scanned, start, self.mask, leading,
-                                 codes, slots, entries)
+                                 reaches, codes, slots, entries)
             scanned += width
             width *= 4
         return codes, slots, entries
@@ -239,16 +306,44 @@ class Index:
         """Pin the leading READY entries of ``keys``: their payloads stay
         until `unpin`."""
         keys = _keys(keys)
+        if self._fast:
+            slots = np.empty(keys.shape[0], dtype=np.int64)
+            entries = np.empty((keys.shape[0], 8), dtype=np.uint64)
+            valid = indexfast.pin(self.region.base, self.base, self.mask, self.capacity,
+                                  self.node_base + self.pool.node * self.node_bytes,
+                                  self._read_insn,
+                                  self._flush_insn, keys, self.stamp(), slots, entries)
+            if valid < 0:
+                self._full(self._pin_words(slots[-1 - valid:-valid]))
+            slots, entries = slots[:valid], entries[:valid]
+        else:
+            slots, entries = self._pin(keys)
+        hits = Hits(slots, entries)
+        low, high = self.heap
+        offsets, lengths = hits.offsets, hits.lengths
+        bad = np.flatnonzero((offsets < low) | (lengths <= 0) | (lengths > high - offsets))
+        if bad.size:
+            self.unpin(hits)
+            slot, offset, length = int(slots[bad[0]]), int(offsets[bad[0]]), \
+                int(lengths[bad[0]])
+            raise CorruptionError(f"index entry {slot} at offset {self.base + slot * ENTRY_BYTES}"
+                                  f" names payload [{offset}, {offset + length}) outside the "
+                                  f"heap [{low}, {high})")
+        return hits
+
+    def _pin(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """`pin`'s steps up to the payload check: (slots, entries) of the
+        leading hits, pinned and validated."""
         codes, slots, entries = self._probe(keys, leading=True)
         count = self._leading(codes)
         slots, entries = slots[:count], entries[:count]
         if not count:
-            return Hits(slots, entries)
+            return slots, entries
         words = self._pin_words(slots)
         found = self.region.local_add_u32s(words, 1)
         if (found == _PIN_MAX).any():
-            raise CorruptionError(f"index pin word at offset {int(words[found == _PIN_MAX][0])} "
-                                  f"of node {self.pool.node} is full")
+            self._unpin_words(words[found != _PIN_MAX])
+            self._full(words[found == _PIN_MAX])
         self.region.store_u32s(words + 4, self.stamp())
         self.region.flush_lines(words & ~(LINE - 1))
         # the pins are in memory before the entries are dropped and read
@@ -261,18 +356,11 @@ class Index:
         valid = self._leading(np.where(ok, HIT, probe.MISS))
         if valid < count:
             self._unpin_words(words[valid:])
-        hits = Hits(slots[:valid], entries[:valid])
-        low, high = self.heap
-        offsets, lengths = hits.offsets, hits.lengths
-        bad = np.flatnonzero((offsets < low) | (lengths <= 0) | (lengths > high - offsets))
-        if bad.size:
-            self._unpin_words(words[:valid])
-            slot, offset, length = int(slots[bad[0]]), int(offsets[bad[0]]), \
-                int(lengths[bad[0]])
-            raise CorruptionError(f"index entry {slot} at offset {self.base + slot * ENTRY_BYTES}"
-                                  f" names payload [{offset}, {offset + length}) outside the "
-                                  f"heap [{low}, {high})")
-        return hits
+        return slots[:valid], entries[:valid]
+
+    def _full(self, words: np.ndarray):
+        raise CorruptionError(f"index pin word at offset {int(words[0])} of node "
+                              f"{self.pool.node} is full")
 
     def unpin(self, hits: Hits | list[Hit]) -> None:
         """Take back the pins of `pin` (all of them, or some `Hit` of them)."""
@@ -315,19 +403,18 @@ class Index:
                     raise
         return self.pool.alloc(size, timeout)
 
-    def reserve(self, keys, sizes, tokens=0, timeout: float | None = None
-                ) -> list[Reservation | None]:
+    def reserve(self, keys, sizes, tokens=0, timeout: float | None = None) -> Reservations:
         """WRITING entries and payloads of ``sizes`` bytes for ``keys``
-        (None where the key is already present or being written)."""
+        (none where the key is already present or being written)."""
         keys = _keys(keys)
         sizes = np.broadcast_to(np.asarray(sizes, dtype=np.int64), keys.shape[:1])
         tokens = np.broadcast_to(np.asarray(tokens, dtype=np.int64), keys.shape[:1])
-        if (sizes <= 0).any() or (tokens < 0).any() or (tokens > _PIN_MAX).any():
-            raise ValueError("sizes must be positive and tokens in 0..2**32-1")
+        if (sizes <= 0).any() or (tokens < 0).any() or (tokens > TOKENS_MAX).any():
+            raise ValueError(f"sizes must be positive and tokens in 0..{TOKENS_MAX}")
         payloads = []
         try:
-            for size in sizes:
-                payloads.append(self._alloc(int(size), timeout))
+            for size in sizes.tolist():
+                payloads.append(self._alloc(size, timeout))
         except BaseException:
             for offset in payloads:
                 self.pool.free(offset)
@@ -335,48 +422,73 @@ class Index:
         payloads = np.array(payloads, dtype=np.uint64)
         for attempt in range(4):
             try:
-                result, unused = self._reserve_locked(keys, payloads, sizes, tokens, timeout)
+                reserved = self._reserve_locked(keys, payloads, sizes, tokens, timeout)
                 break
             except _IndexFull as full:  # make room: evict, then try again
                 if attempt == 3 or not self.evict(full.missing, timeout=timeout):
                     for offset in payloads.tolist():
                         self.pool.free(offset)
                     raise PoolFull(str(full)) from None
-        for offset in unused:
+        for offset in payloads[~reserved.taken].tolist():
             self.pool.free(offset)
-        return result
+        return reserved
 
-    def _reserve_locked(self, keys, payloads, sizes, tokens, timeout):
-        result: list[Reservation | None] = [None] * keys.shape[0]
+    def _reserve_locked(self, keys, payloads, sizes, tokens, timeout) -> Reservations:
         with self.pool.lock("index")(timeout) as lock:
-            slots, versions, codes = self._reserve_slots(keys)
+            codes, slots, targets, homes = self._reserve_slots(keys)
             lock.check()  # fencing: still ours before anything is published (R6)
-            free = np.flatnonzero(codes == FREE)
-            entries = np.zeros((free.size, 8), dtype=np.uint64)
-            entries[:, :2] = keys[free]
-            entries[:, 2] = versions[free] + np.uint64(1)
-            entries[:, 3] = np.uint64(WRITING | (self.pool.node + 1) << 8) | \
-                tokens[free].astype(np.uint64) << np.uint64(32)
-            entries[:, 4], entries[:, 5] = payloads[free], sizes[free]
-            entries[:, 6] = self.pool.epoch & 0xFFFFFFFF
-            self._write(slots[free], entries)
-        for row, entry, slot in zip(free.tolist(), entries.tolist(), slots[free].tolist()):
-            result[row] = Reservation((entry[0], entry[1]), slot, entry[2], entry[4], entry[5],
-                                      entry[3] >> 32)
-        return result, payloads[codes != FREE].tolist()
+            taken = codes == FREE
+            written = np.zeros((int(taken.sum()), 8), dtype=np.uint64)
+            written[:, :2] = keys[taken]
+            written[:, 2] = targets[taken, 2] + np.uint64(1)
+            written[:, 3] = np.uint64(WRITING | (self.pool.node + 1) << 8) | \
+                tokens[taken].astype(np.uint64) << np.uint64(40)
+            written[:, 4], written[:, 5] = payloads[taken], sizes[taken]
+            written[:, 6] = self.pool.epoch & 0xFFFFFFFF
+            reaches = self._reach(targets[taken])  # the slots' own, carried over
+            self._raise_reaches(keys[taken], slots[taken], homes[taken], reaches)
+            self._set_reach(written, reaches)
+            self._write(slots[taken], written)
+        entries = np.zeros((keys.shape[0], 8), dtype=np.uint64)
+        entries[taken] = written
+        return Reservations(taken, slots, entries)
+
+    def _raise_reaches(self, keys, slots, homes, reaches) -> None:
+        """Before entries are written at ``slots``, each key's home slot
+        (its line ``homes``) reaches them: homes among ``slots`` get it in
+        ``reaches`` (of the entries to write); the others are written now
+        and fenced, so that no entry is ever in memory past its home's
+        reach."""
+        raised_slots = np.empty(slots.size, dtype=np.int64)
+        raised = np.empty((slots.size, 8), dtype=np.uint64)
+        count = probe.raise_reaches(keys, slots, homes, self.mask, reaches, raised_slots, raised)
+        if count:
+            self._write(raised_slots[:count], raised[:count])
+            self.region.fence()
 
     def _reserve_slots(self, keys: np.ndarray):
-        """Under the lock: (slots, versions, codes) of each key (FREE: the
-        slot to take; EXISTS: present).  Each key's window grows (2, 8,
+        """Under the lock: (codes, slots, slot lines, home lines) of each
+        key (FREE: the slot to take; EXISTS: present).  Each key's window grows (2, 8,
         32... lines) until it decides, reading only the lines not read yet
         (nobody else writes under the lock); the kernel sees each key's
         window up to its width."""
         count = keys.shape[0]
-        start = (keys[:, 0] & np.uint64(self.mask)).astype(np.int64)
         live = self._live_epochs()
+        codes = np.empty(count, np.int64)
+        if self._fast:
+            slots = np.empty(count, np.int64)
+            targets, homes = (np.empty((count, 8), np.uint64) for _ in range(2))
+            left = indexfast.reserve_slots(self.region.base, self.base, self.mask,
+                                           self.capacity, self._read_insn, keys, live, codes,
+                                           slots, targets, homes)
+            if left:
+                raise _IndexFull(f"prefix index of {self.capacity} entries is full: no free "
+                                 f"slot for {left} of {count} keys", left)
+            return codes, slots, targets, homes
+        start = (keys[:, 0] & np.uint64(self.mask)).astype(np.int64)
         widths = np.zeros(count, dtype=np.int64)
-        lines = np.empty((count, min(self.capacity, 256), 8), dtype=np.uint64)
-        codes, where = np.empty(count, np.int64), np.empty(count, np.int64)
+        lines = np.empty((count, min(self.capacity, 32), 8), dtype=np.uint64)
+        where = np.empty(count, np.int64)
         pending, grown = np.arange(count), 2
         while True:
             grown = min(grown, self.capacity)
@@ -397,57 +509,52 @@ class Index:
                 raise _IndexFull(f"prefix index of {self.capacity} entries is full: no free "
                                  f"slot for {pending.size} of {count} keys", pending.size)
             grown *= 4
-        return (start + where) & self.mask, lines[np.arange(count), where, 2], codes
+        return codes, (start + where) & self.mask, lines[np.arange(count), where], lines[:, 0]
 
-    def publish(self, reservations: list[Reservation | None], checksums=None,
+    def publish(self, reserved: Reservations, checksums=None,
                 timeout: float | None = None) -> list[bool]:
         """Make reserved entries READY once their payloads are copied (and
         flushed: non-temporal copies are); False for one reclaimed meanwhile
-        (its payload is freed).  ``checksums``: the payloads' (u32), kept in
-        the entries for readers."""
-        rows = [row for row, r in enumerate(reservations) if r is not None]
-        if not rows:
-            return [False] * len(reservations)
-        mine = [reservations[row] for row in rows]
-        sums = np.zeros(len(rows), dtype=np.uint64) if checksums is None else \
-            np.array([int(checksums[row]) & 0xFFFFFFFF for row in rows], dtype=np.uint64)
+        (its payload is freed) and for rows not taken.  ``checksums``: the
+        payloads' (u32, one per row), kept in the entries for readers."""
+        taken = np.flatnonzero(reserved.taken)
+        published = np.zeros(len(reserved), dtype=np.bool_)
+        if not taken.size:
+            return published.tolist()
+        sums = np.zeros(taken.size, dtype=np.uint64) if checksums is None else \
+            np.asarray(checksums, dtype=np.uint64)[taken] & np.uint64(0xFFFFFFFF)
         # a fresh block counts as just used (this node's stamp words)
-        words = self._pin_words(np.array([r.slot for r in mine]))
+        words = self._pin_words(reserved.slots[taken])
         self.region.store_u32s(words + 4, self.stamp())
         self.region.flush_lines(words & ~(LINE - 1))
-        ours = self._finish(mine, READY, sums, timeout)
-        for r, ok in zip(mine, ours):
-            if not ok:
-                self.pool.free(r.offset)
-        published = [False] * len(reservations)
-        for row, ok in zip(rows, ours):
-            published[row] = bool(ok)
-        return published
+        ours = self._finish(reserved, taken, READY, sums, timeout)
+        for offset in reserved.offsets[taken[~ours]].tolist():
+            self.pool.free(offset)
+        published[taken] = ours
+        return published.tolist()
 
-    def abort(self, reservations: list[Reservation | None], timeout: float | None = None
-              ) -> None:
+    def abort(self, reserved: Reservations, timeout: float | None = None) -> None:
         """Give up reserved entries (tombstones) and their payloads."""
-        mine = [r for r in reservations if r is not None]
-        if mine:
-            ours = self._finish(mine, TOMBSTONE, None, timeout)
-            for r, ok in zip(mine, ours):
-                if ok:
-                    self.pool.free(r.offset)
+        taken = np.flatnonzero(reserved.taken)
+        if taken.size:
+            ours = self._finish(reserved, taken, TOMBSTONE, None, timeout)
+            for offset in reserved.offsets[taken[ours]].tolist():
+                self.pool.free(offset)
 
-    def _finish(self, mine: list[Reservation], state: int, checksums, timeout):
-        """Under the lock: the reserved entries still WRITING by this node
-        at their version become ``state``; returns which did."""
-        slots = np.array([r.slot for r in mine], dtype=np.int64)
-        expected = np.array([[*r.key, r.version, WRITING | (self.pool.node + 1) << 8, r.offset,
-                              self.pool.epoch & 0xFFFFFFFF] for r in mine], dtype=np.uint64)
+    def _finish(self, reserved: Reservations, taken: np.ndarray, state: int, checksums,
+                timeout) -> np.ndarray:
+        """Under the lock: the ``taken`` rows' entries still as reserved
+        (WRITING by this node at their version) become ``state``; returns
+        which did."""
+        slots, expected = reserved.slots[taken], reserved.entries[taken]
         # the lock's acquire fences: the caller's payload flushes complete first (R3)
         with self.pool.lock("index")(timeout) as lock:
             entries = self._read(self._entries(slots)).copy()
-            ours = (self._whole(entries) & (entries[:, 0] == expected[:, 0])
-                    & (entries[:, 1] == expected[:, 1]) & (entries[:, 2] == expected[:, 2])
-                    & ((entries[:, 3] & np.uint64(0xFFFF)) == expected[:, 3])
-                    & (entries[:, 4] == expected[:, 4])
-                    & ((entries[:, 6] & np.uint64(0xFFFFFFFF)) == expected[:, 5]))
+            # as reserved, but for the slot's reach (other keys' reserves raise it)
+            plain = ~_REACH_BITS
+            ours = self._whole(entries) & (entries[:, [0, 1, 2, 4, 5, 6]]
+                                           == expected[:, [0, 1, 2, 4, 5, 6]]).all(axis=1) \
+                & ((entries[:, 3] & plain) == (expected[:, 3] & plain))
             lock.check()
             done = entries[ours]
             done[:, 2] += np.uint64(1)
@@ -464,21 +571,22 @@ class Index:
 
     def evict(self, count: int = 1, window: int = 64, timeout: float | None = None) -> int:
         """Evict up to ``count`` of the stalest unpinned READY entries among
-        ``window`` slots from a moving hand (sampled LRU); returns how many.
-        Tombstones that end a probe chain (an empty slot follows) become
-        empty again, so chains stay short."""
-        window = min(window, self.capacity)
+        ``window`` slots, in runs of `EVICT_RUN` at random (sampled LRU: the
+        holes left stay spread over the table); returns how many.  The
+        runs' reaches are then lowered to the entries left
+        (`_lower_reaches`), so chains stay short."""
+        run = min(EVICT_RUN, self.capacity)
+        runs = self._sample.choice(self.capacity // run, size=max(1, min(window, self.capacity)
+                                                                 // run), replace=False)
+        slots = (runs[:, None] * run + np.arange(run)).ravel()
         freed = []
         with self.pool.lock("index")(timeout) as lock:
-            slots = (self._hand + np.arange(window + 1)) & self.mask  # and the slot after
-            self._hand = (self._hand + window) & self.mask
             entries = self._read(self._entries(slots)).copy()
             low, high = self.heap
             offsets, lengths = entries[:, 4].astype(np.int64), entries[:, 5].astype(np.int64)
             # an entry naming a payload outside the heap is fsck's to clear (R5)
             ready = (self._whole(entries) & ((entries[:, 3] & np.uint64(0xFF)) == READY)
                      & (offsets >= low) & (lengths > 0) & (lengths <= high - offsets))
-            ready[window:] = False
             if ready.any():
                 live = [node for node in range(self.max_nodes)
                         if self.pool.space.liveness.live(node)]
@@ -503,29 +611,37 @@ class Index:
                 self._set_state(kept, READY)
                 marked[evicted], marked[~evicted] = gone, kept
                 entries[chosen] = marked
-            self._trim(slots, entries, chosen, lock)
+                lock.check()
+                self._write(slots[chosen], entries[chosen])
+            for first in range(0, slots.size, run):
+                self._lower_reaches(slots[first:first + run], entries[first:first + run], lock)
         for offset in freed:  # tombstones are in memory (the release fenced them)
             self.pool.free(offset)
         return len(freed)
 
-    def _trim(self, slots: np.ndarray, entries: np.ndarray, changed: np.ndarray, lock) -> None:
-        """Write ``entries[changed]`` and make every tombstone of the window
-        that an empty slot follows empty (version kept), back to front;
-        the lock's epoch is checked before anything is written (R6)."""
-        empty = np.empty(slots.size, dtype=np.bool_)
-        probe.empty(entries, empty)
-        tombstone = self._whole(entries) & ((entries[:, 3] & np.uint64(0xFF)) == TOMBSTONE)
-        trimmed = []
-        for row in range(slots.size - 2, -1, -1):
-            if tombstone[row] and empty[row + 1]:
-                empty[row] = True
-                trimmed.append(row)
-        rows = np.union1d(changed, np.array(trimmed, dtype=np.int64))
-        if trimmed:
-            entries[trimmed, 3] = EMPTY_STATE
-        if rows.size:
+    def _lower_reaches(self, slots: np.ndarray, entries: np.ndarray, lock) -> None:
+        """Lower the reach of each slot of a window (``entries``, as just
+        written) to the farthest entry still homed there, reading the lines
+        after the window that the reaches cover.  The entries are in memory
+        first (a fence), so no entry is ever past its home's reach."""
+        reaches = self._reach(entries)
+        known = np.flatnonzero(reaches != UNKNOWN)
+        if not known.size:
+            return
+        covered = int((known + reaches[known]).max()) + 1  # may wrap past the window
+        lines = entries
+        if covered > slots.size:
+            tail = (slots[0] + np.arange(slots.size, covered)) & self.mask
+            lines = np.vstack([entries, self._read(self._entries(tail))])
+        lowered = np.empty(slots.size, dtype=np.int64)
+        probe.reaches(lines, slots.size, self.mask, int(slots[0]), lowered)
+        changed = np.flatnonzero(lowered < reaches)
+        if changed.size:
+            self.region.fence()
+            rows = entries[changed]
+            self._set_reach(rows, lowered[changed])
             lock.check()
-            self._write(slots[rows], entries[rows])
+            self._write(slots[changed], rows)
 
     def _pins(self, slots: np.ndarray, nodes: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """(total pins, newest stamp) of each slot over ``nodes``, fresh."""
@@ -582,9 +698,35 @@ class Index:
         """Make ``slot`` a tombstone whatever it held (fsck --repair, under
         the ``index`` lock); its payload is left to the allocator's reclaim."""
         entry = self._read(self._entries(np.array([slot]))).copy()
+        reach = self._reach(entry)
         entry[:, 2] += np.uint64(1)
         self._tombstone(entry)
+        if reach[0] == UNKNOWN:  # a torn line: measure the slot's reach again
+            reach[0] = self._measure_reach(slot)
+        self._set_reach(entry, reach)
         self._write(np.array([slot]), entry)  # the lock's release fences it
+
+    def _measure_reach(self, slot: int) -> int:
+        """The farthest whole live entry homed at ``slot``, probing from it
+        to an empty slot (UNKNOWN past a torn line)."""
+        farthest, read = 0, 1
+        while read < self.capacity:
+            step = min(256, self.capacity - read)
+            lines = self._read(self._entries((slot + read + np.arange(step)) & self.mask))
+            empty, whole = np.empty(step, dtype=np.bool_), self._whole(lines)
+            probe.empty(lines, empty)
+            end = int(np.argmax(empty)) if empty.any() else step
+            if not whole[:end].all():
+                return UNKNOWN
+            state = lines[:end, 3] & np.uint64(0xFF)
+            homed = np.flatnonzero(((lines[:end, 0] & np.uint64(self.mask)) == slot)
+                                   & (state >= WRITING) & (state <= EVICTING))
+            if homed.size:
+                farthest = read + int(homed[-1])
+            if end < step:
+                break
+            read += step
+        return min(farthest, UNKNOWN)
 
     def stats(self) -> dict[str, int]:
         """Entries by state (`scan`'s; "torn": torn or corrupt)."""

@@ -4,18 +4,27 @@ An entry is one 64-byte line, eight little-endian uint64 words:
 
     0  key low             1  key high
     2  version
-    3  state | (writer node + 1) << 8 | tokens << 32
+    3  state | (writer node + 1) << 8 | reach << 24 | tokens << 40
     4  payload offset      5  payload length
     6  writer epoch (low 32 bits) | payload checksum << 32
     7  check word of words 0..6
 
 An EMPTY entry is all zeros (never used), or a whole entry of state EMPTY
-that keeps the slot's version (a trimmed tombstone: versions never repeat).
+that keeps the slot's version (versions never repeat).
+
+*Reach* belongs to the slot, not to its entry: every entry whose key's home
+is this slot lies at most ``reach`` slots past it.  A lookup stops there (or
+at an empty slot), so tombstones never make chains long; a reserve proves a
+key absent there.  Writers keep it under the index lock: raised before an
+entry is placed farther, carried over when a slot's entry is replaced,
+lowered by eviction.  `UNKNOWN` (a torn home line, or a reach too long to
+store) means: probe until an empty slot.
+
 The kernels read entries gathered from the pool (never the pool itself) and
 decide; `tract.index` moves the lines.
 Each key probes a *window*: the lines from its home slot on, ``(n, W, 8)``.
-Twins: ``tests/naive.py`` (``entry_check``, ``probe_lookup``,
-``probe_reserve``).
+Twins: ``tests/naive.py`` (``entry_check``, ``reach``, ``probe_lookup``,
+``probe_reserve``, ``reaches``, ``raise_reaches``).
 """
 
 import numpy as np
@@ -23,9 +32,10 @@ import numpy as np
 from tract._kernels.config import kernel
 
 __all__ = ["BUSY", "CONTINUE", "EMPTY", "EVICTING", "EXISTS", "FREE", "HIT", "MISS", "READY",
-           "TOMBSTONE", "WRITING", "collect", "empty", "entry_check", "grow_windows", "place",
-           "probe_lookup", "probe_reserve",
-           "seal", "validate", "whole"]
+           "TOKENS_MAX", "TOMBSTONE", "UNKNOWN", "WRITING", "collect", "empty", "entry_check",
+           "grow_windows", "place", "probe_lookup", "probe_reserve", "raise_reaches", "reach",
+           "reaches", "seal",
+           "validate", "whole"]
 
 EMPTY, WRITING, READY, EVICTING, TOMBSTONE = 0, 1, 2, 3, 4
 # lookup outcomes
@@ -34,6 +44,8 @@ HIT, MISS, BUSY, CONTINUE = 0, 1, 2, 3
 FREE, EXISTS = 4, 5
 
 U64 = np.uint64
+UNKNOWN = 0xFFFF  # reach not known: probe until an empty slot
+TOKENS_MAX = (1 << 24) - 1
 
 
 @kernel(inline="always")
@@ -72,6 +84,23 @@ def _empty(entry):
     return True
 
 
+@kernel(inline="always")
+def _reach(entry):
+    for i in range(8):
+        if entry[i] != 0:
+            if entry[7] != _check(entry):
+                return UNKNOWN
+            return np.int64((entry[3] >> U64(24)) & U64(0xFFFF))
+    return 0
+
+
+@kernel
+def reach(entries, out):
+    """Each row's slot reach (`UNKNOWN` for a torn line)."""
+    for row in range(entries.shape[0]):
+        out[row] = _reach(entries[row])
+
+
 @kernel
 def empty(entries, out):
     """Whether each row of ``entries`` (n, 8) is an EMPTY entry."""
@@ -80,16 +109,18 @@ def empty(entries, out):
 
 
 @kernel
-def probe_lookup(keys, lines, codes, positions):
-    """For each key, scan its window: HIT at the first whole READY entry of
-    the key, BUSY at one being written or evicted, MISS at an empty entry,
-    else CONTINUE (the window ran out).  ``positions``: where in the window."""
+def probe_lookup(keys, lines, reaches, scanned, codes, positions):
+    """For each key, scan its window (the slots ``scanned`` on past its
+    home): HIT at the first whole READY entry of the key, BUSY at one being
+    written or evicted, MISS at an empty entry or past the home's reach
+    (``reaches[k]``), else CONTINUE (the window ran out).  ``positions``:
+    where in the window."""
     for k in range(keys.shape[0]):
         codes[k] = CONTINUE
         positions[k] = -1
         for w in range(lines.shape[1]):
             entry = lines[k, w]
-            if _empty(entry):
+            if _empty(entry) or (reaches[k] != UNKNOWN and scanned + w > reaches[k]):
                 codes[k], positions[k] = MISS, w
                 break
             if entry[7] != _check(entry) or entry[0] != keys[k, 0] or entry[1] != keys[k, 1]:
@@ -105,16 +136,20 @@ def probe_lookup(keys, lines, codes, positions):
 
 
 @kernel
-def collect(keys, pending, count, lines, scanned, start, mask, leading, codes, slots,
+def collect(keys, pending, count, lines, scanned, start, mask, leading, reaches, codes, slots,
             entries):
     """One round of lookups: ``pending[:count]`` (key rows, in order) probed
-    ``lines`` (count, W, 8), the slots from ``start + scanned`` on.  Records
-    each decided key's code, slot and entry; returns how many stay pending,
-    compacted to the front of ``pending`` (``leading``: none after the first
-    key decided otherwise than HIT)."""
+    ``lines`` (count, W, 8), the slots from ``start + scanned`` on; the
+    first round (``scanned`` 0) sets each key's home reach in ``reaches``.
+    Records each decided key's code, slot and entry; returns how many stay
+    pending, compacted to the front of ``pending`` (``leading``: none after
+    the first key decided otherwise than HIT)."""
     found = np.empty(count, np.int64)
     where = np.empty(count, np.int64)
-    probe_lookup(keys[pending[:count]], lines, found, where)
+    if scanned == 0:
+        for i in range(count):
+            reaches[pending[i]] = _reach(lines[i, 0])
+    probe_lookup(keys[pending[:count]], lines, reaches[pending[:count]], scanned, found, where)
     kept = 0
     stop = keys.shape[0]
     for i in range(count):
@@ -175,22 +210,33 @@ def probe_reserve(keys, lines, start, mask, widths, live_epochs, codes, position
     is (READY, EVICTING, or WRITING by a live writer), else FREE at the
     first reusable slot of its window (empty, tombstone, or WRITING by a
     writer whose node epoch is not ``live_epochs[node]``) once the window
-    shows the key is absent (an empty entry ends the chain), else CONTINUE.
-    A torn line is reusable too: under the lock, only a crashed writer
-    leaves one.  Slots taken by earlier keys of the batch count as theirs.
+    shows the key is absent (past the home's reach, or at an empty entry),
+    else CONTINUE.  A torn line is reusable too: under the lock, only a
+    crashed writer leaves one.  A key met earlier in the batch gets that
+    key's outcome, and slots taken by earlier keys are theirs.
     Key ``k``'s window is the slots ``(start[k] + w) & mask`` for ``w`` below
-    ``widths[k]``; a key that reaches its width continues, unless its window
-    covers the whole table (``mask + 1`` slots): then a reusable slot is
-    taken anyway."""
+    ``widths[k]``, its home first; a key that reaches its width continues,
+    unless its window covers the whole table (``mask + 1`` slots): then a
+    reusable slot is taken anyway."""
     for k in range(keys.shape[0]):
         codes[k] = CONTINUE
         positions[k] = -1
+        twin = -1
+        for j in range(k):
+            if keys[j, 0] == keys[k, 0] and keys[j, 1] == keys[k, 1]:
+                twin = j
+                break
+        if twin >= 0:
+            codes[k] = EXISTS if codes[twin] == FREE else codes[twin]
+            positions[k] = positions[twin]
+            continue
+        home_reach = _reach(lines[k, 0])
         reusable = -1
         for w in range(widths[k]):
             entry = lines[k, w]
-            if _empty(entry):
-                free = True
-            else:
+            empty = _empty(entry)
+            free = False
+            if not empty:
                 whole = entry[7] == _check(entry)
                 state = entry[3] & U64(0xFF)
                 writer = np.int64((entry[3] >> U64(8)) & U64(0xFFFF)) - 1
@@ -202,24 +248,85 @@ def probe_reserve(keys, lines, start, mask, widths, live_epochs, codes, position
                     codes[k], positions[k] = EXISTS, w
                     break
                 free = not whole or state == TOMBSTONE or dead_writer
-                if not free:
-                    continue
-            # an empty or reusable slot: is it taken by an earlier key of the batch?
-            slot = (start[k] + w) & mask
-            claimed = -1
-            for j in range(k):
-                if codes[j] == FREE and (start[j] + positions[j]) & mask == slot:
-                    claimed = j
-                    break
-            if claimed >= 0:
-                if keys[claimed, 0] == keys[k, 0] and keys[claimed, 1] == keys[k, 1]:
-                    codes[k], positions[k] = EXISTS, w
-                    break
-                continue
-            if _empty(entry):
-                codes[k], positions[k] = FREE, (reusable if reusable >= 0 else w)
+            if (empty or free) and reusable < 0:
+                # is it taken by an earlier key of the batch?
+                slot = (start[k] + w) & mask
+                claimed = False
+                for j in range(k):
+                    if codes[j] == FREE and (start[j] + positions[j]) & mask == slot:
+                        claimed = True
+                        break
+                if not claimed:
+                    reusable = w
+            if reusable >= 0 and (empty or (home_reach != UNKNOWN and w >= home_reach)):
+                codes[k], positions[k] = FREE, reusable
                 break
-            if reusable < 0:
-                reusable = w
         if codes[k] == CONTINUE and widths[k] > mask and reusable >= 0:
             codes[k], positions[k] = FREE, reusable
+
+
+@kernel
+def reaches(lines, count, mask, first, out):
+    """Eviction's update of reach: for each of the first ``count`` of
+    ``lines`` (consecutive slots from ``first``), the farthest any whole
+    live (WRITING, READY or EVICTING) entry homed there lies within its
+    recorded reach; the recorded reach where that is UNKNOWN, where a torn
+    line lies within it, or where the lines end before it does."""
+    n = lines.shape[0]
+    for h in range(count):
+        known = _reach(lines[h])
+        out[h] = known
+        if known == UNKNOWN or h + known >= n:
+            continue
+        farthest = 0
+        for p in range(h, h + known + 1):
+            entry = lines[p]
+            if _empty(entry):
+                continue
+            state = entry[3] & U64(0xFF)
+            if entry[7] != _check(entry):
+                farthest = known
+                break
+            if (state == WRITING or state == READY or state == EVICTING) \
+                    and np.int64(entry[0] & U64(mask)) == (first + h) & mask:
+                farthest = p - h
+        out[h] = farthest
+
+
+@kernel
+def raise_reaches(keys, slots, homes, mask, reaches, raised_slots, raised_lines):
+    """Reserve's update of reach, before entries for ``keys`` are written
+    at ``slots`` (``homes``: each key's home line, ``reaches``: those of the
+    entries to write, carried over from their slots).  A home among
+    ``slots`` gets its key's distance in ``reaches``; any other home whose
+    known reach falls short is copied to ``raised_lines`` with the reach
+    raised (unsealed), its slot in ``raised_slots``.  Returns how many."""
+    n = keys.shape[0]
+    raised = 0
+    for k in range(n):
+        home = np.int64(keys[k, 0] & U64(mask))
+        distance = (slots[k] - home) & mask
+        mine = -1
+        for j in range(n):
+            if slots[j] == home:
+                mine = j
+                break
+        if mine >= 0:
+            reaches[mine] = max(reaches[mine], distance)
+            continue
+        known = _reach(homes[k])
+        if known == UNKNOWN or distance <= known:
+            continue
+        row = -1
+        for i in range(raised):
+            if raised_slots[i] == home:
+                row = i
+        if row < 0:
+            row = raised
+            raised += 1
+            raised_slots[row] = home
+            raised_lines[row] = homes[k]
+        if distance > np.int64((raised_lines[row, 3] >> U64(24)) & U64(0xFFFF)):
+            raised_lines[row, 3] = (raised_lines[row, 3] & ~U64(UNKNOWN << 24)) \
+                | U64(min(distance, UNKNOWN)) << U64(24)
+    return raised

@@ -518,3 +518,20 @@ def map_fd(int fd, size_t size, off_t file_offset, str path, str kind, cache_con
     region._payload_insn = INSTRUCTIONS[cache_control.payload]
     region._nt_kind = NONTEMPORAL[cache_control.nontemporal]
     return region
+
+
+# ------------------------------------------------ for Numba kernels (C API)
+# Exported through ``__pyx_capi__`` so that `tract._kernels.cachectl` binds
+# them as external functions of jitted kernels; addresses are of a mapping
+# the caller holds open and has range-checked.
+
+cdef api void tract_api_lines(int insn, uint64_t address, int64_t length) noexcept nogil:
+    tract_lines(insn, <const char *><uintptr_t>address, <size_t>length)
+
+
+cdef api void tract_api_fence() noexcept nogil:
+    tract_fence()
+
+
+cdef api uint32_t tract_api_add_u32(uint64_t address, int64_t delta) noexcept nogil:
+    return tract_add_u32_bounded(<uint32_t *><uintptr_t>address, delta)

@@ -1,0 +1,194 @@
+"""The prefix index's fast path (`tract._kernels.indexfast`, one kernel call
+per batch step) against its Python steps on the same pool state: random
+tables with every state, torn lines, dead and live writers, wrapping
+windows, full tables and full pin words.  The Python steps are the protocol
+the simulator and the mutation harness check; these tests make the kernels
+answer exactly as they do."""
+
+import random
+
+import numpy as np
+import pytest
+
+import naive
+from tract._kernels import probe
+from tract.errors import CorruptionError
+from tract.index import Index, _IndexFull
+from tract.lease import LINE
+from tract.pool import Pool
+
+
+def _random_table(rng, index, keys, nodes, full=False):
+    """Random entries in every slot: empty, the batch's keys or others in
+    every state, writers of live and dead epochs, payloads in the heap or
+    (rarely) outside it, torn lines.  ``full``: other keys' READY entries
+    only."""
+    low, _ = index.heap
+    table = np.zeros((index.capacity, 8), dtype=np.uint64)
+    empty_share = 0.0 if full else rng.choice([0.0, 0.05, 0.3])
+    for slot in range(index.capacity):
+        if rng.random() < empty_share:
+            continue
+        entry = table[slot]
+        ours = rng.random() < 0.5 and not full
+        entry[:2] = keys[rng.randrange(len(keys))] if ours else \
+            (rng.getrandbits(64), rng.getrandbits(64))
+        entry[2] = rng.randrange(1, 9)
+        state = probe.READY if full else rng.choice(
+            [probe.WRITING, probe.READY, probe.READY, probe.EVICTING, probe.TOMBSTONE,
+             probe.EMPTY, 9])
+        entry[3] = state | (rng.randrange(nodes + 1) + 1) << 8 | rng.randrange(50) << 32
+        entry[4] = low + rng.randrange(64) * 4096 if rng.random() < 0.97 else 8
+        entry[5] = 4096
+        entry[6] = rng.randrange(1, 3) | rng.getrandbits(32) << 32
+        entry[7] = naive.entry_check(entry)
+        if rng.random() < 0.05 and not full:
+            entry[rng.randrange(7)] ^= np.uint64(1 << rng.randrange(64))  # torn
+    offsets = index._entries(np.arange(index.capacity))
+    index.region.scatter_lines(offsets, table.view(np.uint8))
+    index.region.flush_lines(offsets)
+    index.region.fence()
+
+
+def _keys(rng, count, mask):
+    """Keys homed in a small table: some share a home, some repeat."""
+    keys = [(rng.randrange(mask + 1) + (rng.getrandbits(20) << 20), rng.randrange(3))
+            for _ in range(count)]
+    if count > 2 and rng.random() < 0.3:
+        keys[-1] = keys[0]
+    return np.array(keys, dtype=np.uint64)
+
+
+@pytest.fixture
+def indexes(pool_path):
+    """(fast, reference) views of one pool's index, node 0."""
+    Pool.create(pool_path, 16 << 20, chunk_size=1 << 16, max_nodes=4, index_capacity=64,
+                lease_timeout=5.0)
+    with Pool.open(pool_path, 0, manager=True) as pool:
+        fast, reference = pool.index, Index(pool, fast=False)
+        assert fast._fast and not reference._fast
+        yield pool, fast, reference
+
+
+def _pin_counts(index):
+    words = index._pin_words(np.arange(index.capacity))
+    lines = index._read(np.unique(words & ~(LINE - 1)))
+    return (lines.reshape(-1) & np.uint64(0xFFFFFFFF))[:index.capacity].copy()
+
+
+def test_lookup_and_pin_match_the_python_steps(indexes):
+    pool, fast, reference = indexes
+    rng = random.Random(5)
+    for _ in range(150):
+        keys = _keys(rng, rng.randint(1, 12), fast.mask)
+        _random_table(rng, fast, keys.tolist(), 3)
+        for leading in (False, True):
+            got, want = fast._probe(keys, leading), reference._probe(keys, leading)
+            for a, b in zip(got, want):
+                np.testing.assert_array_equal(a, b)
+        assert fast.lookup(keys) == reference.lookup(keys)
+        outcomes = []
+        for index in (reference, fast):
+            try:
+                hits = index.pin(keys)
+            except CorruptionError as error:  # a payload outside the heap
+                outcomes.append((str(error), _pin_counts(index)))
+                continue
+            counts = _pin_counts(index)
+            outcomes.append((hits.slots.tolist(), hits.entries.tolist(), counts))
+            index.unpin(hits)
+            assert not _pin_counts(index).any()
+        assert len(outcomes[0]) == len(outcomes[1])
+        for a, b in zip(*outcomes):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_a_full_pin_word_takes_back_every_pin(indexes):
+    pool, fast, reference = indexes
+    rng = np.random.default_rng(6)
+    for _ in range(10):
+        keys = rng.integers(0, 2**63, size=(6, 2), dtype=np.uint64)
+        assert all(fast.publish(fast.reserve(keys, 256)))
+        slots = fast._probe(keys, leading=True)[1]
+        full = int(slots[rng.integers(6)])
+        word = int(fast._pin_words(np.array([full]))[0])
+        for index in (reference, fast):
+            pool.region.store_u32(word, 0xFFFFFFFF)
+            with pytest.raises(CorruptionError, match=f"pin word at offset {word} .* full"):
+                index.pin(keys)
+            counts = _pin_counts(index)
+            assert counts[full] == 0xFFFFFFFF and counts.sum() == 0xFFFFFFFF
+            pool.region.store_u32(word, 0)
+        while fast.evict(6, window=64):
+            pass
+
+
+def test_reserve_slots_match_the_python_steps(indexes):
+    pool, fast, reference = indexes
+    rng = random.Random(7)
+    outcomes = {"full": 0, "decided": 0}
+    for _ in range(200):
+        keys = _keys(rng, rng.randint(1, 20), fast.mask)
+        _random_table(rng, fast, keys.tolist(), 3, full=rng.random() < 0.15)
+        results = []
+        with pool.lock("index")(10):
+            for index in (reference, fast):
+                try:
+                    results.append(index._reserve_slots(keys))
+                except _IndexFull as full:
+                    results.append((str(full), full.missing))
+        if isinstance(results[0][0], str):
+            outcomes["full"] += 1
+            assert results[0] == results[1]
+            continue
+        outcomes["decided"] += 1
+        for a, b in zip(*results):
+            np.testing.assert_array_equal(a, b)
+    assert outcomes["full"] and outcomes["decided"] > 100, outcomes
+
+
+def _found(index, keys):
+    keys = np.array(sorted(keys), dtype=np.uint64).reshape(-1, 2)
+    codes, _, _ = index._probe(keys, leading=False)
+    return {tuple(map(int, key)) for key in keys[codes == probe.HIT]}
+
+
+def _table(index):
+    return index._read(index._entries(np.arange(index.capacity))).copy()
+
+
+def _farthest(table, mask):
+    """Per slot: how far past it the live entries homed there lie."""
+    farthest = [0] * (mask + 1)
+    for slot, entry in enumerate(table):
+        state = int(entry[3]) & 0xFF
+        if probe.WRITING <= state <= probe.EVICTING:
+            home = int(entry[0]) & mask
+            farthest[home] = max(farthest[home], (slot - home) & mask)
+    return farthest
+
+
+def test_publish_and_eviction_churn_keeps_chains_short(indexes):
+    """A table at 70% load under publish / evict churn: every present key
+    stays found, no entry lies past its home's reach, and a sweep of
+    eviction lowers every reach to the farthest entry left."""
+    pool, fast, reference = indexes
+    rng = np.random.default_rng(8)
+    present: set[tuple[int, int]] = set()
+    for round in range(300):
+        index = (fast, reference)[round % 2]
+        keys = rng.integers(0, 2**63, size=(4, 2), dtype=np.uint64)
+        reserved = index.reserve(keys, 256)
+        published = index.publish(reserved)
+        present |= {tuple(map(int, key)) for key, ok in zip(keys, published) if ok}
+        while len(present) > 0.7 * fast.capacity:
+            index.evict(4, window=16)
+            present = _found(index, present)
+        table = _table(fast)
+        reach = [naive.reach(entry) for entry in table]
+        assert all(far <= known for far, known in zip(_farthest(table, fast.mask), reach))
+    assert _found(fast, present) == present
+    assert fast.stats()["ready"] == len(present)
+    fast.evict(0, window=fast.capacity)
+    table = _table(fast)
+    assert [naive.reach(entry) for entry in table] == _farthest(table, fast.mask)

@@ -1,0 +1,178 @@
+"""The prefix index's batch steps in one kernel call each (`tract.index`'s
+fast path on a real mapping).
+
+Each kernel is the Python step it names, line for line: the same windows,
+the same decisions (`tract._kernels.probe`), the same cache control in the
+same order (`tract._kernels.cachectl`: invalidate the batch, one fence, then
+read).  The Python steps stay the protocol that runs on the simulator and
+under the mutation harness; ``tests/test_index_fast.py`` checks each kernel
+against its step on the same pool state.
+
+``address`` is the mapping's base address; ``base`` the index's offset,
+``pins`` this node's pin words' offset.  Every offset used is ``base +
+(slot & mask) * 64`` or ``pins + (slot & mask) * 8``, which the caller has
+checked lie inside the mapping.
+"""
+
+import numpy as np
+
+from tract._kernels.cachectl import add_u32, fence, halves, lines, words
+from tract._kernels.config import kernel
+from tract._kernels.probe import CONTINUE, HIT, MISS, collect, probe_reserve, validate
+
+__all__ = ["lookup", "pin", "reserve_slots"]
+
+U64 = np.uint64
+ENTRY = 64
+PIN_MAX = 0xFFFFFFFF
+
+
+@kernel(inline="always")
+def _read(address, base, mask, insn, slots, out):
+    """Invalidate the entries of ``slots``, fence, copy them to ``out`` (R4)."""
+    for i in range(slots.size):
+        lines(insn, address + base + (slots[i] & mask) * ENTRY, ENTRY)
+    fence()
+    for i in range(slots.size):
+        entry = words(address + base + (slots[i] & mask) * ENTRY, 8)
+        for j in range(8):
+            out[i, j] = entry[j]
+
+
+@kernel
+def lookup(address, base, mask, capacity, insn, keys, leading, codes, slots, entries):
+    """`Index._probe`: (codes, slots, entries) of each key's lookup, windows
+    of 2, 8, 32... lines a round; returns how many lead with HIT."""
+    count = keys.shape[0]
+    codes[:] = CONTINUE
+    slots[:] = -1
+    entries[:] = 0
+    start = np.empty(count, np.int64)
+    for k in range(count):
+        start[k] = np.int64(keys[k, 0] & U64(mask))
+    reaches = np.empty(count, np.int64)
+    pending = np.arange(count)
+    left, scanned, width = count, 0, 2
+    while left:
+        if scanned >= capacity:
+            for i in range(left):
+                codes[pending[i]] = MISS
+            break
+        width = min(width, capacity - scanned)
+        window = np.empty(left * width, np.int64)
+        for i in range(left):
+            for w in range(width):
+                window[i * width + w] = start[pending[i]] + scanned + w
+        lines_read = np.empty((left * width, 8), np.uint64)
+        _read(address, base, mask, insn, window, lines_read)
+        left = collect(keys, pending, left, lines_read.reshape((left, width, 8)), scanned,
+                       start, mask, leading, reaches, codes, slots, entries)
+        scanned += width
+        width *= 4
+    for k in range(count):
+        if codes[k] != HIT:
+            return k
+    return count
+
+
+@kernel(inline="always")
+def _unpin(word, flush_insn):
+    add_u32(word, -1)
+    lines(flush_insn, word, 8)
+
+
+@kernel
+def pin(address, base, mask, capacity, pins, read_insn, flush_insn, keys, stamp, slots,
+        entries):
+    """`Index.pin` up to the payload check: look up, add one to this
+    node's pin word of each leading hit and stamp it, flush, fence, read
+    the entries again and keep the hits that still validate (pins of the
+    rest taken back).  Returns how many, or ``-1 - i`` when the pin word of
+    hit ``i`` is full (the pins before it taken back)."""
+    codes = np.empty(keys.shape[0], np.int64)
+    count = lookup(address, base, mask, capacity, read_insn, keys, True, codes, slots, entries)
+    for i in range(count):
+        word = address + pins + (slots[i] & mask) * 8
+        if add_u32(word, 1) == PIN_MAX:
+            for j in range(i):
+                _unpin(address + pins + (slots[j] & mask) * 8, flush_insn)
+            return -1 - i
+        halves(word, 2)[1] = stamp
+    for i in range(count):
+        lines(flush_insn, address + pins + (slots[i] & mask) * 8, 8)
+    # the pins are in memory before the entries are dropped and read again
+    fence()
+    fresh = np.empty((count, 8), np.uint64)
+    _read(address, base, mask, read_insn, slots[:count], fresh)
+    ok = np.empty(count, np.bool_)
+    validate(entries[:count], fresh, ok)
+    valid = count
+    for i in range(count):
+        if not ok[i]:
+            valid = i
+            break
+    for i in range(valid, count):
+        _unpin(address + pins + (slots[i] & mask) * 8, flush_insn)
+    return valid
+
+
+@kernel
+def reserve_slots(address, base, mask, capacity, insn, keys, live, codes, slots, targets, homes):
+    """`Index._reserve_slots`, under the index lock: windows grow 2, 8,
+    32... lines, each round reading only the lines not read yet.  Returns
+    0, or how many keys found no free slot in the whole table."""
+    count = keys.shape[0]
+    start = np.empty(count, np.int64)
+    for k in range(count):
+        start[k] = np.int64(keys[k, 0] & U64(mask))
+    widths = np.zeros(count, np.int64)
+    where = np.empty(count, np.int64)
+    table = np.empty((count, min(capacity, 32), 8), np.uint64)
+    pending = np.arange(count)
+    left, grown = count, 2
+    while True:
+        grown = min(grown, capacity)
+        if grown > table.shape[1]:
+            wider = np.empty((count, grown, 8), np.uint64)
+            wider[:, :table.shape[1]] = table
+            table = wider
+        new = 0
+        for i in range(left):
+            new += grown - widths[pending[i]]
+        window = np.empty(new, np.int64)
+        n = 0
+        for i in range(left):
+            k = pending[i]
+            for w in range(widths[k], grown):
+                window[n] = start[k] + w
+                n += 1
+        fresh = np.empty((new, 8), np.uint64)
+        _read(address, base, mask, insn, window, fresh)
+        n = 0
+        for i in range(left):
+            k = pending[i]
+            for w in range(widths[k], grown):
+                table[k, w] = fresh[n]
+                n += 1
+            widths[k] = grown
+        probe_reserve(keys, table, start, mask, widths, live, codes, where)
+        left = 0
+        for k in range(count):
+            if codes[k] == CONTINUE:
+                pending[left] = k
+                left += 1
+        if not left:
+            break
+        full = True
+        for i in range(left):
+            if widths[pending[i]] < capacity:
+                full = False
+        if full:
+            return left
+        grown *= 4
+    for k in range(count):
+        slots[k] = (start[k] + where[k]) & mask
+        targets[k] = table[k, where[k]]
+        homes[k] = table[k, 0]
+    return 0
+
