@@ -524,6 +524,36 @@ def test_torn_and_corrupt_entries_are_never_hits(pool_path):
             pool.index.pin(keys[2:])
 
 
+def test_fsck_finds_and_raises_a_reach_that_falls_short(pool_path):
+    """Keys sharing a home: the home's reach covers them; a reach lowered
+    by hand is a problem fsck names and repairs; clearing a torn home
+    measures its reach again."""
+    _create(pool_path, capacity=64)
+    with Pool.open(pool_path, 0, manager=True) as pool:
+        index = pool.index
+        keys = np.array([[5 + 64 * i, i] for i in range(4)], dtype=np.uint64)  # all homed at 5
+        _publish(pool, keys)
+        home = index._read(index._entries(np.array([5]))).copy()
+        assert naive.reach(home[0]) == 3 and index.short_reaches() == []
+        with pool.lock("index")(5):
+            index._set_reach(home, np.array([1]))
+            index._write(np.array([5]), home)
+        assert index.short_reaches() == [(5, 1, 3)]
+        assert index.lookup(keys) == 2  # past the reach: a miss, never a wrong hit
+        report = fsck(pool_path, watch=False, repair=True, node=1)
+        assert [p["problem"] for p in report["problems"]] == [
+            "index slot 5 reaches 1 slots but an entry homed there lies 3 past it"]
+        assert index.short_reaches() == [] and index.lookup(keys) == 4
+        torn = index._read(index._entries(np.array([5]))).copy()
+        torn[0, 7] ^= np.uint64(1)
+        with pool.lock("index")(5):
+            pool.region.scatter_lines(index._entries(np.array([5])), torn.view(np.uint8))
+            index.clear(5)
+        home = index._read(index._entries(np.array([5])))
+        assert naive.reach(home[0]) == 3 and int(home[0, 3]) & 0xFF == probe.TOMBSTONE
+        assert index.lookup(keys[1:]) == 3
+
+
 def test_bad_input_is_refused(pool_path):
     _create(pool_path)
     with Pool.open(pool_path, 0, manager=True) as pool:

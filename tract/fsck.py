@@ -158,7 +158,16 @@ class _Check:
                 self.problem("index", where, problem, fix)
             elif payload is not None:
                 refer(*payload, "index", where, f"index entry {slot} ({state})", fix)
+        for home, reach, farthest in index.short_reaches():
+            self.problem("index", index.base + home * 64,
+                         f"index slot {home} reaches {reach} slots but an entry homed there "
+                         f"lies {farthest} past it",
+                         lambda h=home, f=farthest: self._raise_reach(h, f))
         return referenced
+
+    def _raise_reach(self, slot: int, reach: int) -> str:
+        self.pool.index.raise_reach(slot, reach)
+        return f"reach raised to {reach}"
 
     def _clear_entry(self, slot: int) -> str:
         self.pool.index.clear(slot)

@@ -689,6 +689,30 @@ class Index:
                     found.append((slot, names[state], (offset, length), None))
         return found
 
+    def short_reaches(self) -> list[tuple[int, int, int]]:
+        """(home slot, its reach, the farthest whole live entry homed there)
+        for every slot whose known reach falls short of one of its entries,
+        for fsck (a lookup would miss that entry, a reserve duplicate it)."""
+        farthest = np.zeros(self.capacity, dtype=np.int64)
+        reaches = np.empty(self.capacity, dtype=np.int64)
+        for first in range(0, self.capacity, 4096):
+            slots = np.arange(first, min(first + 4096, self.capacity))
+            entries = self._read(self._entries(slots))
+            reaches[slots] = self._reach(entries)
+            state = entries[:, 3] & np.uint64(0xFF)
+            live = self._whole(entries) & (state >= WRITING) & (state <= EVICTING)
+            home = (entries[live, 0] & np.uint64(self.mask)).astype(np.int64)
+            np.maximum.at(farthest, home, (slots[live] - home) & self.mask)
+        short = np.flatnonzero((reaches != UNKNOWN) & (farthest > reaches))
+        return [(int(h), int(reaches[h]), int(farthest[h])) for h in short]
+
+    def raise_reach(self, slot: int, reach: int) -> None:
+        """Raise ``slot``'s reach to at least ``reach`` (fsck --repair,
+        under the ``index`` lock)."""
+        entry = self._read(self._entries(np.array([slot]))).copy()
+        self._set_reach(entry, np.maximum(self._reach(entry), reach))
+        self._write(np.array([slot]), entry)  # the lock's release fences it
+
     def referenced(self) -> list[tuple[int, int]]:
         """(offset, length) of every payload an entry keeps (WRITING, READY,
         EVICTING), for the allocator's reclaim."""
