@@ -25,7 +25,7 @@ from tract.errors import CorruptionError, PoolFull
 from tract.fsck import fsck
 from tract.hashing import BlockHasher
 from tract.pool import Pool, format_pool
-from tract.testing.incoherent import LINE, SimPool, SimulationFailure
+from tract.testing.incoherent import CRASHED, LINE, SimPool, SimulationFailure
 
 SEEDS = int(os.environ.get("TRACT_SIM_SEEDS", "200"))
 SIM_LEASE = 0.004
@@ -281,6 +281,51 @@ def run_dekker(first):
 def test_pin_and_evict_each_fence_their_write_before_they_check(first):
     outcome = run_dekker(first)
     assert len(outcome["hits"]) + outcome["evicted"] == 1  # one of them won
+
+
+def run_reach_crash(phase):
+    """Keys 0..3 share home slot 3 and land in slots 3..6, each batch
+    staler than the one before.  The writer dies right after the entry of
+    key 2 reaches memory (``phase`` "raise": the reserve raised the home's
+    reach, in another line, just before), or right after the home's
+    lowered reach does (``phase`` "lower": eviction took key 3, the
+    stalest, just before).  Either way no entry in memory lies past its
+    home's reach: a raise is fenced before the entries it covers, a
+    lowering after the tombstones it counts."""
+    pool = _sim_pool(0, 2, chaos=0.0)
+    keys = np.array([[3 + 16 * i, i] for i in range(4)], dtype=np.uint64)
+    host = pool.hosts[0]
+    index = Pool(host, 0, clock=pool.clock, heartbeat=False, local_locks=False).index
+    stamps = iter([3, 2, 1])
+    index.stamp = lambda: next(stamps)
+    trigger = {"raise": 5, "lower": 3}[phase]
+    armed = [phase == "raise"]
+    flush_lines = host.flush_lines
+
+    def flush_then_die(offsets):
+        flush_lines(offsets)
+        line = index.base + trigger * 64
+        if armed[0] and line in np.asarray(offsets).tolist():
+            host.complete_early(line, 64)  # this line lands, queued ones wait
+            pool.crash(0, 0)
+
+    host.flush_lines = flush_then_die
+
+    def writer(host):
+        for batch in (keys[:2], keys[2:3], keys[3:]):
+            index.publish(index.reserve(batch, 64, timeout=100 * SIM_LEASE))
+        armed[0] = True
+        index.evict(1, window=16, timeout=100 * SIM_LEASE)
+
+    assert pool.run((0, writer))[0] == CRASHED
+    checker = Pool(pool.hosts[1], 1, clock=pool.clock, heartbeat=False, local_locks=False)
+    return checker.index.short_reaches()
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("phase", ["raise", "lower"])
+def test_reaches_cover_every_entry_when_a_writer_dies(phase):
+    assert run_reach_crash(phase) == []
 
 
 def run_pin_race(seed, rounds=12):

@@ -610,6 +610,7 @@ class Index:
                 self._tombstone(gone)
                 self._set_state(kept, READY)
                 marked[evicted], marked[~evicted] = gone, kept
+                probe.seal(marked)  # whole, as the reaches below read them
                 entries[chosen] = marked
                 lock.check()
                 self._write(slots[chosen], entries[chosen])
@@ -623,7 +624,8 @@ class Index:
         """Lower the reach of each slot of a window (``entries``, as just
         written) to the farthest entry still homed there, reading the lines
         after the window that the reaches cover.  The entries are in memory
-        first (a fence), so no entry is ever past its home's reach."""
+        first (the epoch check fences), so no entry is ever past its home's
+        reach."""
         reaches = self._reach(entries)
         known = np.flatnonzero(reaches != UNKNOWN)
         if not known.size:
@@ -637,9 +639,10 @@ class Index:
         probe.reaches(lines, slots.size, self.mask, int(slots[0]), lowered)
         changed = np.flatnonzero(lowered < reaches)
         if changed.size:
-            self.region.fence()
             rows = entries[changed]
             self._set_reach(rows, lowered[changed])
+            # check() reads the grant fresh, so it fences: the tombstones
+            # are in memory before the lowered reaches are written
             lock.check()
             self._write(slots[changed], rows)
 
