@@ -284,6 +284,138 @@ static inline void tract_copy_in_nt(int kind, int insn, char *dst, const char *s
     tract_store_fence();
 }
 
+/* ----------------------------------------------------------- checksums */
+
+/* XXH64 (bit-exact with the reference: `xxhash.xxh64`), in pieces so that a
+ * copy can hash what it just moved while it is still in cache. */
+#define TRACT_P1 0x9E3779B185EBCA87ULL
+#define TRACT_P2 0xC2B2AE3D27D4EB4FULL
+#define TRACT_P3 0x165667B19E3779F9ULL
+#define TRACT_P4 0x85EBCA77C2B2AE63ULL
+#define TRACT_P5 0x27D4EB2F165667C5ULL
+
+static inline uint64_t tract_rotl64(uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
+
+static inline uint64_t tract_read64(const char *p) { uint64_t v; memcpy(&v, p, 8); return v; }
+
+static inline uint32_t tract_read32(const char *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+
+static inline uint64_t tract_xxh64_round(uint64_t acc, uint64_t input)
+{
+    acc += input * TRACT_P2;
+    return tract_rotl64(acc, 31) * TRACT_P1;
+}
+
+static inline void tract_xxh64_init(uint64_t v[4], uint64_t seed)
+{
+    v[0] = seed + TRACT_P1 + TRACT_P2;
+    v[1] = seed + TRACT_P2;
+    v[2] = seed;
+    v[3] = seed - TRACT_P1;
+}
+
+/* Fold n bytes (a multiple of 32) into the four lanes. */
+static inline void tract_xxh64_stripes(uint64_t v[4], const char *p, size_t n)
+{
+    uint64_t a = v[0], b = v[1], c = v[2], d = v[3];
+    for (const char *end = p + n; p < end; p += 32) {
+        a = tract_xxh64_round(a, tract_read64(p));
+        b = tract_xxh64_round(b, tract_read64(p + 8));
+        c = tract_xxh64_round(c, tract_read64(p + 16));
+        d = tract_xxh64_round(d, tract_read64(p + 24));
+    }
+    v[0] = a; v[1] = b; v[2] = c; v[3] = d;
+}
+
+static inline uint64_t tract_xxh64_merge(uint64_t acc, uint64_t lane)
+{
+    acc ^= tract_xxh64_round(0, lane);
+    return acc * TRACT_P1 + TRACT_P4;
+}
+
+/* The digest of `total` bytes whose stripes are in v and whose last
+ * (total % 32) bytes are at tail. */
+static inline uint64_t tract_xxh64_end(const uint64_t v[4], const char *tail, size_t total,
+                                      uint64_t seed)
+{
+    uint64_t h;
+    if (total >= 32) {
+        h = tract_rotl64(v[0], 1) + tract_rotl64(v[1], 7) + tract_rotl64(v[2], 12)
+            + tract_rotl64(v[3], 18);
+        h = tract_xxh64_merge(h, v[0]);
+        h = tract_xxh64_merge(h, v[1]);
+        h = tract_xxh64_merge(h, v[2]);
+        h = tract_xxh64_merge(h, v[3]);
+    } else {
+        h = seed + TRACT_P5;
+    }
+    h += (uint64_t)total;
+    size_t left = total & 31;
+    for (; left >= 8; left -= 8, tail += 8) {
+        h ^= tract_xxh64_round(0, tract_read64(tail));
+        h = tract_rotl64(h, 27) * TRACT_P1 + TRACT_P4;
+    }
+    if (left >= 4) {
+        h ^= (uint64_t)tract_read32(tail) * TRACT_P1;
+        h = tract_rotl64(h, 23) * TRACT_P2 + TRACT_P3;
+        tail += 4;
+        left -= 4;
+    }
+    for (; left; left--, tail++) {
+        h ^= (uint64_t)(unsigned char)*tail * TRACT_P5;
+        h = tract_rotl64(h, 11) * TRACT_P1;
+    }
+    h ^= h >> 33;
+    h *= TRACT_P2;
+    h ^= h >> 29;
+    h *= TRACT_P3;
+    h ^= h >> 32;
+    return h;
+}
+
+static inline uint64_t tract_xxh64(const char *p, size_t n, uint64_t seed)
+{
+    uint64_t v[4];
+    tract_xxh64_init(v, seed);
+    size_t body = n & ~(size_t)31;
+    tract_xxh64_stripes(v, p, body);
+    return tract_xxh64_end(v, p + body, n, seed);
+}
+
+#define TRACT_HASH_CHUNK ((size_t)16384)
+
+/* tract_copy_in_nt, hashing the source (XXH64) chunk by chunk as it goes,
+ * while each chunk is still in cache; returns the digest. */
+static inline uint64_t tract_copy_in_nt_xxh64(int kind, int insn, char *dst, const char *src,
+                                              size_t n, uint64_t seed)
+{
+    uint64_t v[4];
+    tract_xxh64_init(v, seed);
+    size_t body = n & ~(size_t)31;
+    for (size_t done = 0; done < body; done += TRACT_HASH_CHUNK) {
+        size_t chunk = body - done < TRACT_HASH_CHUNK ? body - done : TRACT_HASH_CHUNK;
+        tract_copy_in_nt(kind, insn, dst + done, src + done, chunk);
+        tract_xxh64_stripes(v, src + done, chunk);
+    }
+    if (n > body) tract_copy_in_nt(kind, insn, dst + body, src + body, n - body);
+    return tract_xxh64_end(v, src + body, n, seed);
+}
+
+/* memcpy, hashing what was copied (XXH64) chunk by chunk; the digest. */
+static inline uint64_t tract_copy_out_xxh64(char *dst, const char *src, size_t n, uint64_t seed)
+{
+    uint64_t v[4];
+    tract_xxh64_init(v, seed);
+    size_t body = n & ~(size_t)31;
+    for (size_t done = 0; done < body; done += TRACT_HASH_CHUNK) {
+        size_t chunk = body - done < TRACT_HASH_CHUNK ? body - done : TRACT_HASH_CHUNK;
+        memcpy(dst + done, src + done, chunk);
+        tract_xxh64_stripes(v, dst + done, chunk);
+    }
+    memcpy(dst + body, src + body, n - body);
+    return tract_xxh64_end(v, dst + body, n, seed);
+}
+
 /* ------------------------------------------------- coherent pools only */
 
 /* Compare-and-swap on a u64; returns the value found.  Atomic only among

@@ -18,6 +18,7 @@ the Region; nothing here asks the CPU again on a hot path.
 from cpython.buffer cimport PyBuffer_FillInfo, PyBuffer_Release, PyObject_GetBuffer, PyBUF_SIMPLE, PyBUF_WRITABLE
 from libc.errno cimport errno
 from libc.stdint cimport int64_t, uint8_t, uint16_t, uint32_t, uint64_t, uintptr_t
+from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy, memset, strerror
 from posix.mman cimport MAP_FAILED, MAP_SHARED, PROT_READ, PROT_WRITE, mmap, munmap
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
@@ -46,6 +47,10 @@ cdef extern from "_cachectl.h" nogil:
     void tract_copy_in_nt(int kind, int insn, char *dst, const char *src, size_t n) noexcept
     uint64_t tract_cas_u64(uint64_t *addr, uint64_t expected, uint64_t desired) noexcept
     uint32_t tract_add_u32_bounded(uint32_t *addr, int64_t delta) noexcept
+    uint64_t tract_xxh64(const char *p, size_t n, uint64_t seed) noexcept
+    uint64_t tract_copy_in_nt_xxh64(int kind, int insn, char *dst, const char *src, size_t n,
+                                    uint64_t seed) noexcept
+    uint64_t tract_copy_out_xxh64(char *dst, const char *src, size_t n, uint64_t seed) noexcept
 
 LINE = TRACT_LINE
 BUILD_PATH = TRACT_BUILD_PATH.decode()
@@ -338,6 +343,73 @@ cdef class Region:
         finally:
             PyBuffer_Release(&target)
 
+    def copy_in_blocks(self, const int64_t[::1] offsets, sources, uint64_t[::1] sums=None,
+                       uint64_t seed=0):
+        """`copy_in` (non-temporal: in memory on return) of each buffer of
+        ``sources`` to its offset, in one call without the GIL; with
+        ``sums``, each source's XXH64 digest (``seed``) goes there, hashed
+        as it is copied."""
+        cdef Py_ssize_t n = offsets.shape[0], i, got = 0
+        if len(sources) != n or (sums is not None and sums.shape[0] != n):
+            raise ValueError(f"{n} offsets need as many sources and sums, got {len(sources)} "
+                             f"and {'no' if sums is None else sums.shape[0]}")
+        cdef Py_buffer *views = <Py_buffer *>malloc(max(n, 1) * sizeof(Py_buffer))
+        if views == NULL:
+            raise MemoryError()
+        try:
+            for i in range(n):
+                _get_buffer(sources[i], &views[i], PyBUF_SIMPLE, f"source {i}")
+                got += 1
+                self._check(offsets[i], views[i].len)
+            with nogil:
+                for i in range(n):
+                    if sums is None:
+                        tract_copy_in_nt(self._nt_kind, self._writeback_insn,
+                                         self._base + offsets[i], <const char *>views[i].buf,
+                                         views[i].len)
+                    else:
+                        sums[i] = tract_copy_in_nt_xxh64(
+                            self._nt_kind, self._writeback_insn, self._base + offsets[i],
+                            <const char *>views[i].buf, views[i].len, seed)
+        finally:
+            for i in range(got):
+                PyBuffer_Release(&views[i])
+            free(views)
+
+    def copy_out_blocks(self, const int64_t[::1] offsets, targets, uint64_t[::1] sums=None,
+                        uint64_t seed=0):
+        """Fill each buffer of ``targets`` from its offset, fresh: every
+        range is dropped first (the payload instruction), then one fence
+        (R4); with ``sums``, each copy's XXH64 digest (``seed``) goes there,
+        hashed as it is copied."""
+        cdef Py_ssize_t n = offsets.shape[0], i, got = 0
+        if len(targets) != n or (sums is not None and sums.shape[0] != n):
+            raise ValueError(f"{n} offsets need as many targets and sums, got {len(targets)} "
+                             f"and {'no' if sums is None else sums.shape[0]}")
+        cdef Py_buffer *views = <Py_buffer *>malloc(max(n, 1) * sizeof(Py_buffer))
+        if views == NULL:
+            raise MemoryError()
+        try:
+            for i in range(n):
+                _get_buffer(targets[i], &views[i], PyBUF_SIMPLE | PyBUF_WRITABLE, f"target {i}")
+                got += 1
+                self._check(offsets[i], views[i].len)
+            with nogil:
+                for i in range(n):
+                    tract_lines(self._payload_insn, self._base + offsets[i], views[i].len)
+                tract_fence()
+                for i in range(n):
+                    if sums is None:
+                        memcpy(views[i].buf, self._base + offsets[i], views[i].len)
+                    else:
+                        sums[i] = tract_copy_out_xxh64(<char *>views[i].buf,
+                                                       self._base + offsets[i], views[i].len,
+                                                       seed)
+        finally:
+            for i in range(got):
+                PyBuffer_Release(&views[i])
+            free(views)
+
     def read(self, int64_t offset, int64_t length):
         """A copy of ``length`` bytes at ``offset`` as ``bytes``."""
         self._check(offset, length)
@@ -487,6 +559,20 @@ cdef inline uint64_t _fit(value, uint64_t limit, str width, int64_t offset) exce
     if not 0 <= value <= limit:
         raise OverflowError(f"value {value!r} does not fit in {width} (0..{limit}) at offset {offset}")
     return <uint64_t>value
+
+
+def xxh64(data, uint64_t seed=0):
+    """XXH64 of a C-contiguous buffer (the payload checksum of
+    `Region.copy_in_blocks`; bit-exact with ``xxhash.xxh64``)."""
+    cdef Py_buffer view
+    cdef uint64_t digest
+    _get_buffer(data, &view, PyBUF_SIMPLE, "xxh64 data")
+    try:
+        with nogil:
+            digest = tract_xxh64(<const char *>view.buf, view.len, seed)
+        return digest
+    finally:
+        PyBuffer_Release(&view)
 
 
 def map_fd(int fd, size_t size, off_t file_offset, str path, str kind, cache_control,

@@ -1,0 +1,139 @@
+"""The transfer engine on the CPU: round trips for every dtype and layout
+(one buffer per block, or per-layer / per-layer-and-K/V segments, numpy
+or torch), checksums that catch a flipped byte and do not depend on how a
+block is split, fresh reads (R4), and bad input."""
+
+import numpy as np
+import pytest
+
+from tract._native._region import xxh64
+from tract.errors import BoundsError, ConfigError
+from tract.pool import Pool
+from tract.transfer import DTYPE_BYTES, KVLayout, TransferEngine
+
+xxhash = pytest.importorskip("xxhash")
+
+
+def _layout(dtype="float16", **fields):
+    base = dict(model="tiny-llama", dtype=dtype, num_layers=3, num_kv_heads=2, head_size=8,
+                block_size=4)
+    return KVLayout(**{**base, **fields})
+
+
+@pytest.fixture
+def pool(pool_path):
+    Pool.create(pool_path, 32 << 20, chunk_size=1 << 16, max_nodes=4, lease_timeout=2.0)
+    with Pool.open(pool_path, 0, manager=True) as pool:
+        yield pool
+
+
+def _blocks(layout, count, seed):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, layout.block_bytes, dtype=np.uint8) for _ in range(count)]
+
+
+def _split(block, layout, per):
+    """A block as the segments of a layout that splits it ``per`` layer
+    (K and V together) or per piece (layer and K/V)."""
+    size = layout.piece_bytes * (layout.kv_parts if per == "layer" else 1)
+    return [block[start:start + size] for start in range(0, block.size, size)]
+
+
+def test_xxh64_is_the_reference_digest():
+    rng = np.random.default_rng(0)
+    for size in [0, 1, 7, 8, 31, 32, 33, 100, 16384, 16384 + 33, 100_003]:
+        data = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
+        for seed in (0, 7, 2**64 - 1):
+            assert xxh64(data, seed) == xxhash.xxh64_intdigest(data, seed)
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPE_BYTES))
+@pytest.mark.parametrize("split", ["whole", "layer", "piece"])
+def test_round_trips_are_byte_exact(pool, dtype, split):
+    layout = _layout(dtype)
+    engine = TransferEngine(pool, layout)
+    blocks = _blocks(layout, 5, hash((dtype, split)) % 1000)
+    offsets = [pool.alloc(layout.block_bytes) for _ in blocks]
+    given = blocks if split == "whole" else [_split(b, layout, split) for b in blocks]
+    sums = engine.store(offsets, given)
+    outs = [np.zeros(layout.block_bytes, np.uint8) for _ in blocks]
+    targets = outs if split == "whole" else [_split(o, layout, split) for o in outs]
+    assert engine.load(offsets, targets, sums).all()
+    for block, out in zip(blocks, outs):
+        np.testing.assert_array_equal(block, out)
+    # the same checksum however the block was split
+    assert (TransferEngine(pool, layout).store(offsets, blocks) == sums).all()
+
+
+def test_torch_tensors_round_trip(pool):
+    torch = pytest.importorskip("torch")
+    layout = _layout("bfloat16")
+    engine = TransferEngine(pool, layout)
+    shape = (layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_size)
+    blocks = [torch.randn(shape, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16)
+              for i in range(3)]
+    offsets = [pool.alloc(layout.block_bytes) for _ in blocks]
+    sums = engine.store(offsets, blocks)
+    outs = [torch.empty(shape, dtype=torch.bfloat16) for _ in blocks]
+    assert engine.load(offsets, outs, sums).all()
+    assert all(torch.equal(a, b) for a, b in zip(blocks, outs))
+    per_layer = [[block[layer] for layer in range(layout.num_layers)] for block in blocks]
+    assert (engine.store(offsets, per_layer) == sums).all()
+
+
+def test_a_flipped_byte_is_a_miss_for_that_block_only(pool):
+    layout = _layout()
+    engine = TransferEngine(pool, layout)
+    blocks = _blocks(layout, 4, 1)
+    offsets = [pool.alloc(layout.block_bytes) for _ in blocks]
+    sums = engine.store(offsets, blocks)
+    rng = np.random.default_rng(2)
+    for _ in range(20):
+        row, at = int(rng.integers(4)), int(rng.integers(layout.block_bytes))
+        where = offsets[row] + at
+        byte = pool.region.load_u8(where)
+        pool.region.store_u8(where, byte ^ (1 << int(rng.integers(8))))
+        pool.region.flush(where, 1)
+        pool.region.fence()
+        outs = [np.zeros(layout.block_bytes, np.uint8) for _ in blocks]
+        assert engine.load(offsets, outs, sums).tolist() == [i != row for i in range(4)]
+        pool.region.store_u8(where, byte)
+    unchecked = TransferEngine(pool, layout, checksum=False)
+    assert (unchecked.store(offsets, blocks) == 0).all()
+
+
+def test_layouts_name_every_field():
+    layout = _layout()
+    assert layout.block_bytes == 3 * 2 * 2 * 8 * 4 * 2 and layout.pieces == 6
+    others = [_layout(dtype="bfloat16"), _layout(block_size=8), _layout(tp_rank=1, tp_size=2),
+              _layout(engine_layout="LBHNC"), _layout(variant="avx512"), _layout(model="other")]
+    prints = {layout.fingerprint()} | {other.fingerprint() for other in others}
+    assert len(prints) == 1 + len(others)
+    assert layout.namespace() == f"kv:tiny-llama:{layout.fingerprint()}"
+    for bad, match in [(dict(dtype="float64"), "dtype"), (dict(num_layers=0), "num_layers"),
+                       (dict(tp_rank=2, tp_size=2), "tp_rank"), (dict(model=""), "model")]:
+        with pytest.raises(ConfigError, match=match):
+            _layout(**bad)
+
+
+def test_bad_blocks_are_refused_before_a_byte_moves(pool):
+    layout = _layout()
+    engine = TransferEngine(pool, layout)
+    offset = pool.alloc(layout.block_bytes)
+    good = _blocks(layout, 1, 3)[0]
+    with pytest.raises(ValueError, match="block 0 has 640 bytes; .* blocks have 768"):
+        engine.store([offset], [good[:-128]])
+    with pytest.raises(ValueError, match="767 bytes is not a whole number of 128-byte pieces"):
+        engine.store([offset], [good[:-1]])
+    with pytest.raises(ValueError, match="C-contiguous"):
+        engine.store([offset], [np.zeros((layout.block_bytes, 2), np.uint8)[:, 0]])
+    with pytest.raises(ValueError, match="10 bytes is not a whole number"):
+        engine.store([offset], [[good[:10], good[10:]]])
+    with pytest.raises(ValueError, match="1 offsets but 2 blocks"):
+        engine.store([offset], [good, good])
+    with pytest.raises(BoundsError):
+        engine.store([pool.region.size - 8], [good])
+    out = np.zeros(layout.block_bytes, np.uint8)
+    with pytest.raises(BufferError, match="writable"):
+        engine.load([offset], [bytes(layout.block_bytes)])
+    assert not out.any()

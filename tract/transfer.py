@@ -1,0 +1,216 @@
+"""Moving KV blocks between engine memory and the pool.
+
+A block is stored as the engine's own bytes, one contiguous pool range, so
+a load is one copy.  An engine whose layout splits a block (per layer, or
+per layer and K/V) hands its *segments* in order; they are gathered into
+the range on store and scattered back on load.
+
+Rules relied on (DESIGN.md): R3 — a store is in memory before it returns
+(non-temporal stores, their partial end lines written back, one store
+fence), so the index entry published after it never names bytes still in a
+cache; R4 — a load drops every range it reads first, then fences once; R5 —
+every range is checked against the mapping before a byte moves (the native
+region refuses one outside), and a block whose checksum does not match is
+reported as a miss, never returned as data.
+
+Checksums.  Each block's checksum is XXH64 (seed: the pool's key) over the
+digests of its *pieces*: the block cut into ``layout.pieces`` equal parts
+(one per layer and K/V), each hashed as it is copied while still in cache.
+So the checksum does not depend on how an engine splits its blocks, costs
+no second pass over the data, and any flipped byte changes it.  It is on by
+default: on real non-coherent hardware a torn or stale block must be a
+miss, not wrong tokens; ``checksum=False`` skips it for trusted setups
+(`tract bench transfer` shows the cost).
+
+CUDA tensors go by DMA, without a bounce buffer: the whole mapping is
+registered with ``cudaHostRegister`` in chunks, copies run on a dedicated
+stream, and every CUDA return code is checked and raised by name
+(`CudaError`).  On a machine without CUDA this path is never entered.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from collections.abc import Sequence
+
+import numpy as np
+
+from tract._native._region import xxh64
+from tract.errors import ConfigError, TractError
+
+__all__ = ["CudaError", "DTYPE_BYTES", "KVLayout", "TransferEngine"]
+
+#: bytes per element of each KV dtype an engine may use
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1,
+               "float8_e5m2": 1, "int8": 1, "uint8": 1}
+
+
+@dataclasses.dataclass(frozen=True)
+class KVLayout:
+    """What one engine's KV block is: only identical layouts share blocks
+    (their fingerprint is part of the namespace)."""
+
+    model: str
+    dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    block_size: int  # tokens per block
+    engine_layout: str = "block_contiguous"  # the engine's name for its cache layout
+    tp_rank: int = 0
+    tp_size: int = 1
+    kv_parts: int = 2  # K and V (1 for a joint latent cache)
+    variant: str = ""  # anything else that changes the bytes (e.g. a CPU ISA build)
+
+    def __post_init__(self):
+        if not self.model:
+            raise ConfigError("KVLayout.model must name the model")
+        if self.dtype not in DTYPE_BYTES:
+            raise ConfigError(f"KVLayout.dtype {self.dtype!r} is not one of "
+                              f"{sorted(DTYPE_BYTES)}")
+        for field in ("num_layers", "num_kv_heads", "head_size", "block_size", "tp_size",
+                      "kv_parts"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"KVLayout.{field} must be a positive int, got {value!r}")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ConfigError(f"KVLayout.tp_rank {self.tp_rank} is not in 0..{self.tp_size - 1}")
+
+    @property
+    def pieces(self) -> int:
+        """Equal parts a block is hashed in: one per layer and K/V."""
+        return self.num_layers * self.kv_parts
+
+    @property
+    def piece_bytes(self) -> int:
+        return self.num_kv_heads * self.head_size * self.block_size * DTYPE_BYTES[self.dtype]
+
+    @property
+    def block_bytes(self) -> int:
+        return self.pieces * self.piece_bytes
+
+    def fingerprint(self) -> str:
+        """16 hex digits naming every field."""
+        text = json.dumps(dataclasses.asdict(self), sort_keys=True)
+        return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+    def namespace(self) -> str:
+        """The block-hash namespace of this layout (`tract.hashing.BlockHasher`)."""
+        return f"kv:{self.model}:{self.fingerprint()}"
+
+
+class CudaError(TractError):
+    """A CUDA runtime call failed; the message names the call and the error."""
+
+
+def _bytes_of(block) -> memoryview:
+    """A flat byte view of a C-contiguous CPU array or tensor (no copy)."""
+    module = type(block).__module__
+    if module.startswith("torch"):
+        if block.device.type != "cpu":
+            raise ValueError(f"a {block.device.type} tensor goes through the CUDA path")
+        if not block.is_contiguous():
+            raise ValueError("block tensors must be contiguous")
+        import torch
+
+        return memoryview(block.reshape(-1).view(torch.uint8).numpy())
+    view = memoryview(block)
+    if not view.c_contiguous:
+        raise ValueError("block arrays must be C-contiguous")
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+class TransferEngine:
+    """Copies whole blocks between engine memory and pool ranges."""
+
+    def __init__(self, pool, layout: KVLayout, checksum: bool = True):
+        self.pool, self.region, self.layout = pool, pool.region, layout
+        self.checksum = checksum
+        self.seed = int.from_bytes(pool.header.hash_key[8:16], "little")
+        self._cuda = None
+
+    # ------------------------------------------------------------ pieces
+
+    def _pieces(self, blocks: Sequence) -> list[memoryview]:
+        """Every block (one buffer, or its segments in order) cut into its
+        pieces, checked against the layout."""
+        piece, want = self.layout.piece_bytes, self.layout.block_bytes
+        out = []
+        for row, block in enumerate(blocks):
+            segments = block if isinstance(block, (list, tuple)) else [block]
+            total = 0
+            for segment in segments:
+                view = _bytes_of(segment)
+                if view.nbytes % piece:
+                    raise ValueError(f"block {row}: a segment of {view.nbytes} bytes is not a "
+                                     f"whole number of {piece}-byte pieces (layer, K/V)")
+                out.extend(view[start:start + piece] for start in range(0, view.nbytes, piece))
+                total += view.nbytes
+            if total != want:
+                raise ValueError(f"block {row} has {total} bytes; layout {self.layout.model!r} "
+                                 f"blocks have {want}")
+        return out
+
+    def _offsets(self, offsets) -> np.ndarray:
+        offsets = np.asarray(offsets, dtype=np.int64)
+        piece = self.layout.piece_bytes
+        return (offsets[:, None] + piece * np.arange(self.layout.pieces)).ravel()
+
+    def _sums(self, digests: np.ndarray) -> np.ndarray:
+        """Each block's checksum (u32) from its pieces' digests."""
+        rows = digests.reshape(-1, self.layout.pieces)
+        return np.array([xxh64(row, self.seed) & 0xFFFFFFFF for row in rows], dtype=np.uint64)
+
+    # ------------------------------------------------------------- moves
+
+    def store(self, offsets, blocks: Sequence) -> np.ndarray:
+        """Copy ``blocks`` to the pool ranges at ``offsets``: in memory on
+        return (R3).  Returns each block's checksum (zeros without)."""
+        if len(blocks) != len(offsets):
+            raise ValueError(f"{len(offsets)} offsets but {len(blocks)} blocks")
+        if len(blocks) and self._on_cuda(blocks[0]):
+            return self._cuda_engine().store(offsets, blocks)
+        pieces = self._pieces(blocks)
+        digests = np.zeros(len(pieces), dtype=np.uint64) if self.checksum else None
+        self.region.copy_in_blocks(self._offsets(offsets), pieces, digests, self.seed)
+        return self._sums(digests) if self.checksum else np.zeros(len(blocks), np.uint64)
+
+    def load(self, offsets, blocks: Sequence, checksums=None) -> np.ndarray:
+        """Fill ``blocks`` from the pool ranges at ``offsets``, read fresh
+        (R4).  Returns which blocks are good: all, or with ``checksums``
+        (and checksums on), those whose bytes match (a mismatch is a miss:
+        the engine recomputes that block)."""
+        if len(blocks) != len(offsets):
+            raise ValueError(f"{len(offsets)} offsets but {len(blocks)} blocks")
+        if len(blocks) and self._on_cuda(blocks[0]):
+            return self._cuda_engine().load(offsets, blocks, checksums)
+        pieces = self._pieces(blocks)
+        verify = self.checksum and checksums is not None
+        digests = np.zeros(len(pieces), dtype=np.uint64) if verify else None
+        self.region.copy_out_blocks(self._offsets(offsets), pieces, digests, self.seed)
+        if not verify:
+            return np.ones(len(blocks), dtype=np.bool_)
+        return self._sums(digests) == (np.asarray(checksums, dtype=np.uint64)
+                                       & np.uint64(0xFFFFFFFF))
+
+    # -------------------------------------------------------------- CUDA
+
+    @staticmethod
+    def _on_cuda(block) -> bool:
+        block = block[0] if isinstance(block, (list, tuple)) else block
+        return type(block).__module__.startswith("torch") and block.device.type == "cuda"
+
+    def _cuda_engine(self):
+        if self._cuda is None:
+            from tract.cuda import CudaTransfer
+
+            self._cuda = CudaTransfer(self)
+        return self._cuda
+
+    def close(self) -> None:
+        """Unregister the mapping from CUDA (when it was registered)."""
+        if self._cuda is not None:
+            self._cuda.close()
+            self._cuda = None
