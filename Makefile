@@ -11,9 +11,12 @@ $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 
-# torch is pinned to the local CPU build when a later issue needs it; no
-# other spec may pull a CUDA build onto a CPU machine.
+# torch is pinned to the local CPU build first (the package asks for a range
+# it satisfies); no other spec may pull a CUDA build onto a CPU machine.  On
+# a CUDA machine install your own torch into the venv before `make`.
+TORCH ?= torch==2.13.0
 $(STAMP): $(VENV)/bin/python $(SOURCES)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
 	$(PY) -m pip install -q "setuptools>=77" wheel "Cython>=3.1" numpy
 	$(PY) -m pip install -q --no-build-isolation -e ".[test]"
 	$(PY) setup.py -q build_ext --inplace
