@@ -45,7 +45,12 @@ def _bench(args: argparse.Namespace) -> int:
         print(f"tract bench: unknown benchmark {args.name!r}; known: "
               f"{', '.join(sorted(bench.BENCHMARKS))}", file=sys.stderr)
         return 2
-    report = bench.run(args.name, quick=args.quick)
+    options = {} if args.device == "cpu" else {"device": args.device}
+    if options and args.name != "transfer":
+        print(f"tract bench: --device applies to transfer only, not {args.name!r}",
+              file=sys.stderr)
+        return 2
+    report = bench.run(args.name, quick=args.quick, **options)
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
@@ -174,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--list", action="store_true", help="list the benchmarks")
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     bench.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
+    bench.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                       help="where the engine's blocks live (transfer only)")
     bench.set_defaults(handler=_bench)
 
     manager = commands.add_parser("manager", help="run a pool's lock manager in the foreground")

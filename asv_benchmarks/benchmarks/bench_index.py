@@ -26,9 +26,7 @@ class Batch:
         self.harness.index.lookup(self.harness.batch(self.harness.present, self.rng))
 
     def time_reserve_publish(self):
-        keys = self.harness.publish_fresh()
-        self.harness.publish(keys)
-        bench._drop(self.harness, keys)
+        bench._drop(self.harness, self.harness.publish(self.harness.publish_fresh()))
 
 
 class RoundTrip:

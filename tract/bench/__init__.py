@@ -27,6 +27,7 @@ BENCHMARKS = {
     "incoherent": "tract.bench.incoherent",
     "lock": "tract.bench.lock",
     "region": "tract.bench.region",
+    "transfer": "tract.bench.transfer",
 }
 
 
@@ -100,10 +101,11 @@ def machine() -> dict:
     }
 
 
-def run(name: str, quick: bool = False) -> dict:
-    """Run one benchmark and return its JSON-ready report."""
+def run(name: str, quick: bool = False, **options) -> dict:
+    """Run one benchmark and return its JSON-ready report (``options``:
+    the benchmark's own, e.g. ``device`` for transfer)."""
     if name not in BENCHMARKS:
         raise KeyError(f"unknown benchmark {name!r}; known: {sorted(BENCHMARKS)}")
     module = importlib.import_module(BENCHMARKS[name])
-    results = module.run(quick=quick)
+    results = module.run(quick=quick, **options)
     return {"bench": name, "machine": machine(), "results": [r.as_dict() for r in results]}

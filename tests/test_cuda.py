@@ -1,0 +1,64 @@
+"""The CUDA path of the transfer engine (DMA between device tensors and
+the registered pool).  Runs where torch sees a CUDA device, skips
+elsewhere; `tract bench transfer --device cuda` measures it."""
+
+import numpy as np
+import pytest
+
+from tract.connector import Connector
+from tract.pool import Pool
+from tract.transfer import KVLayout, TransferEngine
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+LAYOUT = KVLayout(model="tiny-llama", dtype="bfloat16", num_layers=4, num_kv_heads=2,
+                  head_size=64, block_size=16)
+SHAPE = (LAYOUT.num_layers, 2, LAYOUT.block_size, LAYOUT.num_kv_heads, LAYOUT.head_size)
+
+
+@pytest.fixture
+def pool(pool_path):
+    Pool.create(pool_path, 64 << 20, chunk_size=1 << 20, max_nodes=4, lease_timeout=2.0)
+    with Pool.open(pool_path, 0, manager=True) as pool:
+        yield pool
+
+
+def _blocks(count, seed):
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    return [torch.randn(SHAPE, device="cuda", generator=generator).to(torch.bfloat16)
+            for _ in range(count)]
+
+
+def test_device_blocks_round_trip_with_the_cpu_checksums(pool):
+    engine = TransferEngine(pool, LAYOUT)
+    blocks = _blocks(4, 1)
+    offsets = [pool.alloc(LAYOUT.block_bytes) for _ in blocks]
+    sums = engine.store(offsets, blocks)
+    outs = [torch.empty(SHAPE, dtype=torch.bfloat16, device="cuda") for _ in blocks]
+    assert engine.load(offsets, outs, sums).all()
+    assert all(torch.equal(a, b) for a, b in zip(blocks, outs))
+    # the same bytes, and the same checksums, as the CPU path
+    host = [block.cpu() for block in blocks]
+    assert (TransferEngine(pool, LAYOUT).store(offsets, host) == sums).all()
+    per_layer = [[layer for layer in torch.empty(SHAPE, dtype=torch.bfloat16, device="cuda")]
+                 for _ in blocks]
+    assert engine.load(offsets, per_layer, sums).all()
+    assert all(torch.equal(torch.stack(a), b) for a, b in zip(per_layer, blocks))
+    where = offsets[1] + 5
+    pool.region.store_u8(where, pool.region.load_u8(where) ^ 1)
+    pool.region.flush(where, 1)
+    pool.region.fence()
+    assert engine.load(offsets, outs, sums).tolist() == [True, False, True, True]
+    engine.close()
+
+
+def test_the_connector_moves_device_blocks(pool):
+    connector = Connector(pool, LAYOUT)
+    tokens = np.arange(3 * LAYOUT.block_size, dtype=np.int32)
+    blocks = _blocks(3, 2)
+    assert connector.store(tokens, blocks) == 3
+    outs = [torch.zeros(SHAPE, dtype=torch.bfloat16, device="cuda") for _ in range(3)]
+    assert connector.load(tokens, outs) == 3
+    assert all(torch.equal(a, b) for a, b in zip(blocks, outs))
+    connector.close()

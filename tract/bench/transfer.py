@@ -1,0 +1,301 @@
+"""`tract bench transfer`: moving KV blocks, against the copies and the
+peers a user would pick instead, all in the same run.
+
+Per block size (256 KiB, 2 MiB, 16 MiB; and, without ``--quick``, one
+request shaped like a 6000-token Llama-3-8B prompt: 750 blocks of 1 MiB):
+
+- put GB/s (`Connector.store` of absent blocks: reserve, copy, checksum,
+  publish) against the non-temporal copy into the pool;
+- get GB/s (`Connector.load`: pin, fresh copy, checksum check, unpin)
+  against numpy memcpy between private buffers;
+- both again with checksums off;
+- handoff GB/s, prefill process -> decode process: from the moment the
+  prefill side starts `offer` to the moment the decode side's `take` has
+  the bytes (the notification between them, a pipe, included), against
+  the two-copy memcpy bound (``memcpy`` time x 2) and against the same
+  handoff over the peers: raw TCP loopback between two processes, Redis
+  (SET/GET), and Mooncake Store (TCP, and its shared-memory path) when they
+  can be started here; the report says which could not, and why.
+
+Servers are started on 127.0.0.1 by this module and stopped after.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import socket
+import statistics
+import tempfile
+import time
+
+import numpy as np
+
+from tract.bench import Result, median_time
+from tract.bench.peers import PEERS, Unavailable
+from tract.connector import Connector
+from tract.pool import Pool
+from tract.transfer import KVLayout
+
+KIB, MIB = 1 << 10, 1 << 20
+
+
+def _label(size: int) -> str:
+    return f"{size // MIB}MiB" if size >= MIB else f"{size // KIB}KiB"
+
+
+def layout_of(size: int) -> KVLayout:
+    """A layout whose blocks are ``size`` bytes, in 64 pieces."""
+    return KVLayout(model="bench", dtype="uint8", num_layers=32, num_kv_heads=1,
+                    head_size=size // 64, block_size=1)
+
+
+class _Pool:
+    def __init__(self, bytes_needed: int):
+        self.path = os.path.join("/dev/shm", f"tract-bench-transfer-{os.getpid()}")
+        chunk = 2 * MIB
+        size = max(64 * MIB, (bytes_needed * 2 // chunk + 8) * chunk)
+        Pool.create(self.path, size, chunk_size=chunk, max_nodes=4, lease_timeout=5.0,
+                    index_capacity=4096)
+        self.pool = Pool.open(self.path, 0, manager=True)
+
+    def close(self):
+        self.pool.close()
+        Pool.destroy(self.path)
+
+
+def _blocks(size: int, count: int, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(count)]
+
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9
+
+
+def _copies(size: int, count: int, repeats: int, pool) -> dict[str, float]:
+    src, dst = _blocks(size, count, 1), [np.empty(size, np.uint8) for _ in range(count)]
+    offsets = np.array([pool.alloc(size) for _ in range(count)], dtype=np.int64)
+
+    def memcpy():
+        for a, b in zip(src, dst):
+            np.copyto(b, a)
+
+    def nontemporal():
+        pool.region.copy_in_blocks(offsets, src)
+
+    times = median_time({"memcpy": memcpy, "nt": nontemporal}, repeats)
+    for offset in offsets.tolist():
+        pool.free(offset)
+    return {name: _gbps(size * count, seconds) for name, seconds in times.items()}
+
+
+def _put_get(size: int, count: int, repeats: int, pool, checksum: bool) -> dict[str, float]:
+    connector = Connector(pool, layout_of(size), checksum=checksum)
+    blocks = _blocks(size, count, 2)
+    outs = [np.empty(size, np.uint8) for _ in range(count)]
+    put, get = [], []
+    for round_ in range(repeats + 1):
+        keys = np.random.default_rng([round_, checksum]).integers(
+            0, 2**63, size=(count, 2), dtype=np.uint64)
+        start = time.perf_counter()
+        stored = connector.store(keys, blocks)
+        middle = time.perf_counter()
+        loaded = connector.load(keys, outs)
+        end = time.perf_counter()
+        assert stored == loaded == count, (stored, loaded)
+        if round_:  # the first is a warm-up
+            put.append(middle - start)
+            get.append(end - middle)
+        while pool.index.evict(64, window=pool.index.capacity):
+            pass
+    nbytes = size * count
+    return {"put": _gbps(nbytes, statistics.median(put)),
+            "get": _gbps(nbytes, statistics.median(get))}
+
+
+# ---------------------------------------------------------------- handoff
+
+def _decode(path: str, size: int, count: int, pipe, checksum: bool) -> None:
+    with Pool.open(path, 1) as pool:
+        connector = Connector(pool, layout_of(size), checksum=checksum)
+        outs = [np.empty(size, np.uint8) for _ in range(count)]
+        while (message := pipe.recv()) is not None:
+            request_id, started = message
+            taken = connector.take(request_id, outs)
+            done = time.monotonic()
+            pipe.send((done - started, taken.blocks))
+
+
+def _tract_handoff(path: str, size: int, count: int, repeats: int, pool,
+                   checksum: bool = True) -> float:
+    connector = Connector(pool, layout_of(size), checksum=checksum)
+    blocks = _blocks(size, count, 3)
+    context = multiprocessing.get_context("fork")
+    ours, theirs = context.Pipe()
+    decoder = context.Process(target=_decode, args=(path, size, count, theirs, checksum))
+    decoder.start()
+    times = []
+    try:
+        for round_ in range(repeats + 1):
+            keys = np.random.default_rng([7, round_]).integers(0, 2**63, size=(count, 2),
+                                                                dtype=np.uint64)
+            started = time.monotonic()
+            connector.offer(f"bench-{round_}", keys, blocks)
+            ours.send((f"bench-{round_}", started))
+            elapsed, loaded = ours.recv()
+            assert loaded == count, loaded
+            if round_:
+                times.append(elapsed)
+            connector.release()
+            while pool.index.evict(64, window=pool.index.capacity):
+                pass
+    finally:
+        ours.send(None)
+        decoder.join(30)
+        connector.close()
+    return _gbps(size * count, statistics.median(times))
+
+
+def _tcp_receive(port: int, size: int, count: int, pipe) -> None:
+    with socket.create_connection(("127.0.0.1", port)) as conn:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        outs = [bytearray(size) for _ in range(count)]
+        while (message := pipe.recv()) is not None:
+            for out in outs:
+                view, got = memoryview(out), 0
+                while got < size:
+                    got += conn.recv_into(view[got:])
+            pipe.send(time.monotonic() - message)
+
+
+def _tcp_handoff(size: int, count: int, repeats: int) -> float:
+    blocks = _blocks(size, count, 4)
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        context = multiprocessing.get_context("fork")
+        ours, theirs = context.Pipe()
+        receiver = context.Process(target=_tcp_receive, args=(port, size, count, theirs))
+        receiver.start()
+        conn, _ = server.accept()
+        times = []
+        try:
+            with conn:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                for round_ in range(repeats + 1):
+                    started = time.monotonic()
+                    ours.send(started)
+                    for block in blocks:
+                        conn.sendall(block)
+                    elapsed = ours.recv()
+                    if round_:
+                        times.append(elapsed)
+        finally:
+            ours.send(None)
+            receiver.join(30)
+    return _gbps(size * count, statistics.median(times))
+
+
+# ------------------------------------------------------------------ CUDA
+
+def _cuda(size: int, count: int, repeats: int, pool) -> list[Result]:
+    """put / get of CUDA blocks (DMA to and from the registered pool)
+    against torch's copies between pinned host memory and the device."""
+    import torch
+
+    label = f"cuda,{_label(size)}x{count}"
+    connector = Connector(pool, layout_of(size))
+    blocks = [torch.randint(0, 256, (size,), dtype=torch.uint8, device="cuda")
+              for _ in range(count)]
+    outs = [torch.empty(size, dtype=torch.uint8, device="cuda") for _ in range(count)]
+    pinned = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in range(count)]
+    put, get = [], []
+    for round_ in range(repeats + 1):
+        keys = np.random.default_rng([9, round_]).integers(0, 2**63, size=(count, 2),
+                                                            dtype=np.uint64)
+        start = time.perf_counter()
+        stored = connector.store(keys, blocks)
+        middle = time.perf_counter()
+        loaded = connector.load(keys, outs)
+        torch.cuda.synchronize()
+        end = time.perf_counter()
+        assert stored == loaded == count and all(torch.equal(a, b) for a, b in zip(blocks, outs))
+        if round_:
+            put.append(middle - start)
+            get.append(end - middle)
+        while pool.index.evict(64, window=pool.index.capacity):
+            pass
+
+    def to_host():
+        for a, b in zip(blocks, pinned):
+            b.copy_(a, non_blocking=True)
+        torch.cuda.synchronize()
+
+    def to_device():
+        for a, b in zip(pinned, outs):
+            b.copy_(a, non_blocking=True)
+        torch.cuda.synchronize()
+
+    bounds = median_time({"d2h": to_host, "h2d": to_device}, repeats)
+    nbytes = size * count
+    connector.close()
+    return [Result(f"transfer[put,{label}]", _gbps(nbytes, statistics.median(put)), "GB/s",
+                   True, "pinned_d2h_copy", _gbps(nbytes, bounds["d2h"])),
+            Result(f"transfer[get,{label}]", _gbps(nbytes, statistics.median(get)), "GB/s",
+                   True, "pinned_h2d_copy", _gbps(nbytes, bounds["h2d"]))]
+
+
+# ------------------------------------------------------------------- run
+
+def run(quick: bool = False, peers: bool = True, device: str = "cpu") -> list[Result]:
+    shapes = [(256 * KIB, 16), (2 * MIB, 8), (16 * MIB, 2)]
+    if not quick:
+        shapes.append((1 * MIB, 750))  # a 6000-token Llama-3-8B prompt: 128 KiB a token
+    repeats = 3 if quick else 9
+    results: list[Result] = []
+    notes: list[str] = []
+    harness = _Pool(max(size * count for size, count in shapes))
+    if device == "cuda":
+        try:
+            return [result for size, count in shapes
+                    for result in _cuda(size, count, repeats, harness.pool)]
+        finally:
+            harness.close()
+    try:
+        for size, count in shapes:
+            label = f"{_label(size)}x{count}"
+            copies = _copies(size, count, repeats, harness.pool)
+            checked = _put_get(size, count, repeats, harness.pool, True)
+            plain = _put_get(size, count, repeats, harness.pool, False)
+            handoff = _tract_handoff(harness.path, size, count, repeats, harness.pool)
+            bound = copies["memcpy"] / 2  # two copies: into the pool and out
+            results += [
+                Result(f"transfer[put,{label}]", checked["put"], "GB/s", True, "nt_copy",
+                       copies["nt"]),
+                Result(f"transfer[get,{label}]", checked["get"], "GB/s", True, "memcpy",
+                       copies["memcpy"]),
+                Result(f"transfer[put,no-checksum,{label}]", plain["put"], "GB/s", True,
+                       "nt_copy", copies["nt"]),
+                Result(f"transfer[get,no-checksum,{label}]", plain["get"], "GB/s", True,
+                       "memcpy", copies["memcpy"]),
+                Result(f"transfer[handoff,{label}]", handoff, "GB/s", True,
+                       "two_copy_memcpy", bound),
+            ]
+            baselines = {"tcp_loopback": lambda: _tcp_handoff(size, count, repeats)}
+            if peers:
+                for name, peer in PEERS.items():
+                    baselines[name] = lambda peer=peer: peer(size, count, repeats)
+            for name, measure in baselines.items():
+                try:
+                    value = measure()
+                except Unavailable as why:
+                    if why.args[0] not in notes:
+                        notes.append(why.args[0])
+                    continue
+                results.append(Result(f"transfer[handoff,{label}]", handoff, "GB/s", True,
+                                      name, value))
+    finally:
+        harness.close()
+    for note in notes:
+        results.append(Result(f"unavailable: {note}", 0.0, "note", True))
+    return results
