@@ -320,15 +320,17 @@ class Pool:
 
     @classmethod
     def open(cls, path: str, node: int, *, manager: bool = False, flush: str | None = None,
-             coherence: str | None = None) -> Pool:
+             coherence: str | None = None, populate: bool = False) -> Pool:
         """Map a pool as node ``node``; ``manager=True`` runs a lock manager
-        (active or standby) in a daemon thread."""
-        region = open_region(path, flush=flush, coherence=coherence or "none")
+        (active or standby) in a daemon thread; ``populate`` maps every page
+        now (no page faults on first touch later)."""
+        region = open_region(path, flush=flush, coherence=coherence or "none",
+                             populate=populate)
         try:
             declared = Header(region).coherence_name
             if coherence is None and declared != "none":
                 region.close()
-                region = open_region(path, flush=flush, coherence=declared)
+                region = open_region(path, flush=flush, coherence=declared, populate=populate)
             return cls(region, node, manager=manager)
         except BaseException:
             if not region.closed:

@@ -131,14 +131,16 @@ class TransferEngine:
         self.seed = int.from_bytes(pool.header.hash_key[8:16], "little")
         self._cuda = None
 
-    # ------------------------------------------------------------ pieces
+    # ---------------------------------------------------------- segments
 
-    def _pieces(self, blocks: Sequence) -> list[memoryview]:
-        """Every block (one buffer, or its segments in order) cut into its
-        pieces, checked against the layout."""
+    def _segments(self, offsets, blocks: Sequence) -> tuple[np.ndarray, list[memoryview]]:
+        """Every block (one buffer, or its segments in order) as flat byte
+        views with the pool offset of each, checked against the layout."""
+        if len(blocks) != len(offsets):
+            raise ValueError(f"{len(offsets)} offsets but {len(blocks)} blocks")
         piece, want = self.layout.piece_bytes, self.layout.block_bytes
-        out = []
-        for row, block in enumerate(blocks):
+        views, where = [], []
+        for row, (offset, block) in enumerate(zip(np.asarray(offsets).tolist(), blocks)):
             segments = block if isinstance(block, (list, tuple)) else [block]
             total = 0
             for segment in segments:
@@ -146,14 +148,16 @@ class TransferEngine:
                 if view.nbytes % piece:
                     raise ValueError(f"block {row}: a segment of {view.nbytes} bytes is not a "
                                      f"whole number of {piece}-byte pieces (layer, K/V)")
-                out.extend(view[start:start + piece] for start in range(0, view.nbytes, piece))
+                views.append(view)
+                where.append(offset + total)
                 total += view.nbytes
             if total != want:
                 raise ValueError(f"block {row} has {total} bytes; layout {self.layout.model!r} "
                                  f"blocks have {want}")
-        return out
+        return np.array(where, dtype=np.int64), views
 
     def _offsets(self, offsets) -> np.ndarray:
+        """The pool offset of every piece of the blocks at ``offsets``."""
         offsets = np.asarray(offsets, dtype=np.int64)
         piece = self.layout.piece_bytes
         return (offsets[:, None] + piece * np.arange(self.layout.pieces)).ravel()
@@ -168,13 +172,12 @@ class TransferEngine:
     def store(self, offsets, blocks: Sequence) -> np.ndarray:
         """Copy ``blocks`` to the pool ranges at ``offsets``: in memory on
         return (R3).  Returns each block's checksum (zeros without)."""
-        if len(blocks) != len(offsets):
-            raise ValueError(f"{len(offsets)} offsets but {len(blocks)} blocks")
         if len(blocks) and self._on_cuda(blocks[0]):
             return self._cuda_engine().store(offsets, blocks)
-        pieces = self._pieces(blocks)
-        digests = np.zeros(len(pieces), dtype=np.uint64) if self.checksum else None
-        self.region.copy_in_blocks(self._offsets(offsets), pieces, digests, self.seed)
+        where, views = self._segments(offsets, blocks)
+        digests = np.zeros(len(blocks) * self.layout.pieces, np.uint64) if self.checksum \
+            else None
+        self.region.copy_in_blocks(where, views, digests, self.seed, self.layout.piece_bytes)
         return self._sums(digests) if self.checksum else np.zeros(len(blocks), np.uint64)
 
     def load(self, offsets, blocks: Sequence, checksums=None) -> np.ndarray:
@@ -182,14 +185,12 @@ class TransferEngine:
         (R4).  Returns which blocks are good: all, or with ``checksums``
         (and checksums on), those whose bytes match (a mismatch is a miss:
         the engine recomputes that block)."""
-        if len(blocks) != len(offsets):
-            raise ValueError(f"{len(offsets)} offsets but {len(blocks)} blocks")
         if len(blocks) and self._on_cuda(blocks[0]):
             return self._cuda_engine().load(offsets, blocks, checksums)
-        pieces = self._pieces(blocks)
+        where, views = self._segments(offsets, blocks)
         verify = self.checksum and checksums is not None
-        digests = np.zeros(len(pieces), dtype=np.uint64) if verify else None
-        self.region.copy_out_blocks(self._offsets(offsets), pieces, digests, self.seed)
+        digests = np.zeros(len(blocks) * self.layout.pieces, np.uint64) if verify else None
+        self.region.copy_out_blocks(where, views, digests, self.seed, self.layout.piece_bytes)
         if not verify:
             return np.ones(len(blocks), dtype=np.bool_)
         return self._sums(digests) == (np.asarray(checksums, dtype=np.uint64)

@@ -5,7 +5,8 @@ A native user reads ``_base`` on every call and treats NULL as closed; it
 checks its offsets once against ``_size`` when it is built.
 """
 
-from libc.stdint cimport int64_t
+from cpython.buffer cimport Py_buffer
+from libc.stdint cimport int64_t, uint64_t
 
 
 cdef class Region:
@@ -24,3 +25,5 @@ cdef class Region:
     cdef int _check(self, int64_t offset, int64_t length) except -1
     cdef int _check_aligned(self, int64_t offset, int width) except -1
     cdef int _check_lines(self, const int64_t[::1] offsets, int width) except -1
+    cdef Py_buffer *_views(self, const int64_t[::1] offsets, buffers, uint64_t[::1] sums,
+                           int64_t piece, bint writable, Py_ssize_t *got) except NULL

@@ -344,71 +344,102 @@ cdef class Region:
             PyBuffer_Release(&target)
 
     def copy_in_blocks(self, const int64_t[::1] offsets, sources, uint64_t[::1] sums=None,
-                       uint64_t seed=0):
+                       uint64_t seed=0, int64_t piece=0):
         """`copy_in` (non-temporal: in memory on return) of each buffer of
-        ``sources`` to its offset, in one call without the GIL; with
-        ``sums``, each source's XXH64 digest (``seed``) goes there, hashed
+        ``sources`` to its offset, in one call without the GIL.  With
+        ``sums``: the XXH64 digest (``seed``) of each ``piece`` bytes of the
+        sources in order (of each whole source when ``piece`` is 0), hashed
         as it is copied."""
         cdef Py_ssize_t n = offsets.shape[0], i, got = 0
-        if len(sources) != n or (sums is not None and sums.shape[0] != n):
-            raise ValueError(f"{n} offsets need as many sources and sums, got {len(sources)} "
-                             f"and {'no' if sums is None else sums.shape[0]}")
-        cdef Py_buffer *views = <Py_buffer *>malloc(max(n, 1) * sizeof(Py_buffer))
-        if views == NULL:
-            raise MemoryError()
+        cdef Py_buffer *views = self._views(offsets, sources, sums, piece, False, &got)
+        cdef int64_t at, size, k = 0
         try:
-            for i in range(n):
-                _get_buffer(sources[i], &views[i], PyBUF_SIMPLE, f"source {i}")
-                got += 1
-                self._check(offsets[i], views[i].len)
             with nogil:
                 for i in range(n):
-                    if sums is None:
-                        tract_copy_in_nt(self._nt_kind, self._writeback_insn,
-                                         self._base + offsets[i], <const char *>views[i].buf,
-                                         views[i].len)
-                    else:
-                        sums[i] = tract_copy_in_nt_xxh64(
-                            self._nt_kind, self._writeback_insn, self._base + offsets[i],
-                            <const char *>views[i].buf, views[i].len, seed)
+                    size = piece if piece > 0 else views[i].len
+                    at = 0
+                    while at < views[i].len:
+                        if sums is None:
+                            tract_copy_in_nt(self._nt_kind, self._writeback_insn,
+                                             self._base + offsets[i] + at,
+                                             <const char *>views[i].buf + at, size)
+                        else:
+                            sums[k] = tract_copy_in_nt_xxh64(
+                                self._nt_kind, self._writeback_insn, self._base + offsets[i] + at,
+                                <const char *>views[i].buf + at, size, seed)
+                            k += 1
+                        at += size
         finally:
             for i in range(got):
                 PyBuffer_Release(&views[i])
             free(views)
 
     def copy_out_blocks(self, const int64_t[::1] offsets, targets, uint64_t[::1] sums=None,
-                        uint64_t seed=0):
+                        uint64_t seed=0, int64_t piece=0):
         """Fill each buffer of ``targets`` from its offset, fresh: every
         range is dropped first (the payload instruction), then one fence
-        (R4); with ``sums``, each copy's XXH64 digest (``seed``) goes there,
-        hashed as it is copied."""
+        (R4).  With ``sums``: the XXH64 digest (``seed``) of each ``piece``
+        bytes copied, in order (of each whole target when ``piece`` is 0)."""
         cdef Py_ssize_t n = offsets.shape[0], i, got = 0
-        if len(targets) != n or (sums is not None and sums.shape[0] != n):
-            raise ValueError(f"{n} offsets need as many targets and sums, got {len(targets)} "
-                             f"and {'no' if sums is None else sums.shape[0]}")
-        cdef Py_buffer *views = <Py_buffer *>malloc(max(n, 1) * sizeof(Py_buffer))
-        if views == NULL:
-            raise MemoryError()
+        cdef Py_buffer *views = self._views(offsets, targets, sums, piece, True, &got)
+        cdef int64_t at, size, k = 0
         try:
-            for i in range(n):
-                _get_buffer(targets[i], &views[i], PyBUF_SIMPLE | PyBUF_WRITABLE, f"target {i}")
-                got += 1
-                self._check(offsets[i], views[i].len)
             with nogil:
                 for i in range(n):
                     tract_lines(self._payload_insn, self._base + offsets[i], views[i].len)
                 tract_fence()
                 for i in range(n):
+                    size = piece if piece > 0 else views[i].len
                     if sums is None:
                         memcpy(views[i].buf, self._base + offsets[i], views[i].len)
-                    else:
-                        sums[i] = tract_copy_out_xxh64(<char *>views[i].buf,
-                                                       self._base + offsets[i], views[i].len,
-                                                       seed)
+                        continue
+                    at = 0
+                    while at < views[i].len:
+                        sums[k] = tract_copy_out_xxh64(<char *>views[i].buf + at,
+                                                       self._base + offsets[i] + at, size, seed)
+                        k += 1
+                        at += size
         finally:
             for i in range(got):
                 PyBuffer_Release(&views[i])
             free(views)
+
+    cdef Py_buffer *_views(self, const int64_t[::1] offsets, buffers, uint64_t[::1] sums,
+                           int64_t piece, bint writable, Py_ssize_t *got) except NULL:
+        """The buffers, acquired, each checked against its range and, with
+        ``piece``, cut into whole pieces; ``sums`` must hold a digest for
+        each piece (or buffer).  The caller releases ``got[0]`` of them."""
+        cdef Py_ssize_t n = offsets.shape[0], i
+        cdef int64_t digests = 0
+        what = "target" if writable else "source"
+        if len(buffers) != n:
+            raise ValueError(f"{n} offsets need as many {what}s, got {len(buffers)}")
+        if piece < 0:
+            raise ValueError(f"piece must be 0 or positive, got {piece}")
+        cdef Py_buffer *views = <Py_buffer *>malloc(max(n, 1) * sizeof(Py_buffer))
+        if views == NULL:
+            raise MemoryError()
+        try:
+            for i in range(n):
+                _get_buffer(buffers[i], &views[i],
+                            PyBUF_SIMPLE | (PyBUF_WRITABLE if writable else 0), f"{what} {i}")
+                got[0] += 1
+                self._check(offsets[i], views[i].len)
+                if views[i].len == 0:
+                    raise ValueError(f"{what} {i} is empty")
+                if piece and views[i].len % piece:
+                    raise ValueError(f"{what} {i} of {views[i].len} bytes is not a whole "
+                                     f"number of {piece}-byte pieces")
+                digests += views[i].len // piece if piece else 1
+            if sums is not None and sums.shape[0] != digests:
+                raise ValueError(f"sums must hold {digests} digests, got {sums.shape[0]}")
+        except BaseException:
+            for i in range(got[0]):
+                PyBuffer_Release(&views[i])
+            free(views)
+            got[0] = 0
+            raise
+        return views
 
     def read(self, int64_t offset, int64_t length):
         """A copy of ``length`` bytes at ``offset`` as ``bytes``."""

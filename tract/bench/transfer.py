@@ -57,7 +57,7 @@ class _Pool:
         size = max(64 * MIB, (bytes_needed * 2 // chunk + 8) * chunk)
         Pool.create(self.path, size, chunk_size=chunk, max_nodes=4, lease_timeout=5.0,
                     index_capacity=4096)
-        self.pool = Pool.open(self.path, 0, manager=True)
+        self.pool = Pool.open(self.path, 0, manager=True, populate=True)
 
     def close(self):
         self.pool.close()
@@ -117,7 +117,7 @@ def _put_get(size: int, count: int, repeats: int, pool, checksum: bool) -> dict[
 # ---------------------------------------------------------------- handoff
 
 def _decode(path: str, size: int, count: int, pipe, checksum: bool) -> None:
-    with Pool.open(path, 1) as pool:
+    with Pool.open(path, 1, populate=True) as pool:
         connector = Connector(pool, layout_of(size), checksum=checksum)
         outs = [np.empty(size, np.uint8) for _ in range(count)]
         while (message := pipe.recv()) is not None:
