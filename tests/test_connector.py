@@ -1,14 +1,18 @@
 """The engine-agnostic connector: prefix reuse across processes and node
-ids, misses for evicted or corrupt blocks, and P/D handoff with its TTL."""
+ids, misses for evicted or corrupt blocks, and P/D handoff with its TTL;
+under the non-coherent simulator, handoffs between hosts (tests marked
+``sim``: the mutation harness's suite for tract.connector)."""
 
 import multiprocessing
+import os
 import time
 
 import numpy as np
 import pytest
 
 from tract.connector import Connector
-from tract.pool import Pool
+from tract.pool import Pool, format_pool
+from tract.testing.incoherent import SimPool, SimulationFailure
 from tract.transfer import KVLayout
 
 LAYOUT = KVLayout(model="tiny-llama", dtype="float16", num_layers=2, num_kv_heads=2,
@@ -154,3 +158,67 @@ def test_cancel_and_close_release_every_pin(pool):
     while (count := pool.index.evict(16, window=256)):
         evicted += count
     assert evicted == 6
+
+
+# ----------------------------------------------------------- simulator runs
+
+SEEDS = int(os.environ.get("TRACT_SIM_SEEDS", "200"))
+SIM_LEASE = 0.004
+SIM_LAYOUT = KVLayout(model="tiny", dtype="uint8", num_layers=2, num_kv_heads=1, head_size=64,
+                      block_size=2)
+
+
+def run_handoffs(seed, rounds=3, chaos=0.5):
+    """Host 0 (prefill) offers requests one after another, host 1 (decode)
+    takes each: every take gets exactly that request's blocks, though each
+    record's memory is reused by the next request's (a stale copy of it
+    would name the previous request's blocks)."""
+    pool = SimPool(256 * 1024, hosts=2, seed=seed, chaos=chaos, max_steps=2_000_000)
+    format_pool(pool.hosts[0], max_nodes=2, locks=("alloc", "objects", "index"), max_locks=3,
+                chunk_size=8192, max_objects=8, index_capacity=32, lock_mode="bakery",
+                lease_timeout=SIM_LEASE)
+    for host in pool.hosts:
+        host.invalidate(0, pool.size)
+        host.fence()
+    rng = np.random.default_rng(seed)
+    requests = [rng.integers(0, 2**63, size=(2, 2), dtype=np.uint64) for _ in range(rounds)]
+    payloads = [[rng.integers(0, 256, SIM_LAYOUT.block_bytes, dtype=np.uint8) for _ in keys]
+                for keys in requests]
+    offered, taken = [False] * rounds, []
+
+    def connector(host, node):
+        handle = Pool(host, node, clock=pool.clock, heartbeat=False, local_locks=False)
+        return Connector(handle, SIM_LAYOUT, handoff_ttl=1e6, timeout=100 * SIM_LEASE)
+
+    def prefill(host):
+        kv = connector(host, 0)
+        for i, (keys, blocks) in enumerate(zip(requests, payloads)):
+            while i and len(taken) < i:  # one request in flight: its record's memory is reused
+                pool.clock.sleep(SIM_LEASE / 10)
+            kv.offer(f"req-{i}", keys, blocks)
+            offered[i] = True
+        while kv.offers:
+            kv.release()
+            pool.clock.sleep(SIM_LEASE / 10)
+
+    def decode(host):
+        kv = connector(host, 1)
+        for i in range(rounds):
+            while not offered[i]:
+                pool.clock.sleep(SIM_LEASE / 10)
+            outs = [np.zeros(SIM_LAYOUT.block_bytes, np.uint8) for _ in payloads[i]]
+            got = kv.take(f"req-{i}", outs)
+            if got.offered != len(outs) or got.blocks != len(outs) or \
+                    any((a != b).any() for a, b in zip(outs, payloads[i])):
+                raise SimulationFailure(f"request {i}: took {got}, bytes "
+                                        f"{'right' if got.blocks else 'missing'}", seed)
+            taken.append(i)
+
+    pool.run(prefill, decode)
+    return len(taken)
+
+
+@pytest.mark.sim
+def test_handoffs_between_hosts_deliver_each_request_whole():
+    assert sum(run_handoffs(seed) for seed in range(max(1, SEEDS // 4))) == \
+        3 * max(1, SEEDS // 4)

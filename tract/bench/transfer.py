@@ -26,12 +26,12 @@ import multiprocessing
 import os
 import socket
 import statistics
-import tempfile
 import time
 
 import numpy as np
 
 from tract.bench import Result, median_time
+from tract.bench.lock import MAX_NODES, _manage
 from tract.bench.peers import PEERS, Unavailable
 from tract.connector import Connector
 from tract.pool import Pool
@@ -51,16 +51,25 @@ def layout_of(size: int) -> KVLayout:
 
 
 class _Pool:
+    """A pool for the bench; its lock manager runs in another process, as
+    `tract manager` would (one in this process would compete for the GIL)."""
+
     def __init__(self, bytes_needed: int):
         self.path = os.path.join("/dev/shm", f"tract-bench-transfer-{os.getpid()}")
         chunk = 2 * MIB
         size = max(64 * MIB, (bytes_needed * 2 // chunk + 8) * chunk)
-        Pool.create(self.path, size, chunk_size=chunk, max_nodes=4, lease_timeout=5.0,
+        Pool.create(self.path, size, chunk_size=chunk, max_nodes=MAX_NODES, lease_timeout=5.0,
                     index_capacity=4096)
-        self.pool = Pool.open(self.path, 0, manager=True, populate=True)
+        context = multiprocessing.get_context("fork")
+        self.stop = context.Event()
+        self.manager = context.Process(target=_manage, args=(self.path, self.stop))
+        self.manager.start()
+        self.pool = Pool.open(self.path, 0, populate=True)
 
     def close(self):
         self.pool.close()
+        self.stop.set()
+        self.manager.join(30)
         Pool.destroy(self.path)
 
 

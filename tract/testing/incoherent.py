@@ -471,6 +471,49 @@ class SimHost:
             for line in self._lines(offset, source.nbytes):
                 self._write_back(line)
 
+    def copy_in_blocks(self, offsets, sources, sums=None, seed: int = 0, piece: int = 0) -> None:
+        """`Region.copy_in_blocks`: non-temporal copies, digests of pieces."""
+        for offset, source in self._blocks(offsets, sources, sums, piece):
+            self.copy_in(offset, source)
+        self._digests(sources, sums, seed, piece)
+
+    def copy_out_blocks(self, offsets, targets, sums=None, seed: int = 0, piece: int = 0) -> None:
+        """`Region.copy_out_blocks`: every range dropped, one fence, copies."""
+        blocks = self._blocks(offsets, targets, sums, piece)
+        for offset, target in blocks:
+            self.invalidate(offset, memoryview(target).nbytes, payload=True)
+        self.fence()
+        for offset, target in blocks:
+            self.copy_out(offset, target)
+        self._digests(targets, sums, seed, piece)
+
+    @staticmethod
+    def _blocks(offsets, buffers, sums, piece):
+        offsets = [int(offset) for offset in offsets]
+        if len(buffers) != len(offsets):
+            raise ValueError(f"{len(offsets)} offsets need as many buffers, got {len(buffers)}")
+        for i, buffer in enumerate(buffers):
+            size = memoryview(buffer).nbytes
+            if not size or (piece and size % piece):
+                raise ValueError(f"buffer {i} of {size} bytes is empty or not a whole number "
+                                 f"of {piece}-byte pieces")
+        return list(zip(offsets, buffers))
+
+    @staticmethod
+    def _digests(buffers, sums, seed, piece) -> None:
+        if sums is None:
+            return
+        from tract._native._region import xxh64
+
+        digests = []
+        for buffer in buffers:
+            data = memoryview(buffer).cast("B")
+            size = piece or data.nbytes
+            digests += [xxh64(data[at:at + size], seed) for at in range(0, data.nbytes, size)]
+        if len(digests) != len(sums):
+            raise ValueError(f"sums must hold {len(digests)} digests, got {len(sums)}")
+        sums[:] = digests
+
     def fill(self, offset: int, length: int, byte: int = 0) -> None:
         if not 0 <= byte <= 0xFF:
             raise ValueError(f"fill byte {byte} is not in 0..255")

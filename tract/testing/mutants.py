@@ -48,6 +48,7 @@ SUITES: dict[str, list[str]] = {
     "tract.alloc": ["tests/test_alloc.py"],
     "tract.objects": ["tests/test_objects.py"],
     "tract.index": ["tests/test_index.py"],
+    "tract.connector": ["tests/test_connector.py"],
 }
 
 SEEDS_ENV = "TRACT_SIM_SEEDS"
