@@ -6,7 +6,7 @@ block is split, fresh reads (R4), and bad input."""
 import numpy as np
 import pytest
 
-from tract._native._region import xxh64
+from tract._native._region import digest, xxh64
 from tract.errors import BoundsError, ConfigError
 from tract.pool import Pool
 from tract.transfer import DTYPE_BYTES, KVLayout, TransferEngine
@@ -39,12 +39,34 @@ def _split(block, layout, per):
     return [block[start:start + size] for start in range(0, block.size, size)]
 
 
-def test_xxh64_is_the_reference_digest():
+def test_digests_are_the_reference_hashes():
     rng = np.random.default_rng(0)
-    for size in [0, 1, 7, 8, 31, 32, 33, 100, 16384, 16384 + 33, 100_003]:
+    for size in [0, 1, 7, 8, 31, 32, 33, 100, 240, 241, 256, 1024, 1025, 16384, 16384 + 33,
+                 100_003]:
         data = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
         for seed in (0, 7, 2**64 - 1):
             assert xxh64(data, seed) == xxhash.xxh64_intdigest(data, seed)
+            want = xxhash.xxh3_64_intdigest(data, seed) if size > 240 else \
+                xxhash.xxh64_intdigest(data, seed)
+            assert digest(data, seed) == want, size
+
+
+@pytest.mark.parametrize("misaligned", [0, 8, 24])
+def test_copies_hash_what_they_move(pool, misaligned):
+    """Each piece's digest from the copy is the digest of its bytes, the
+    copy in lands whole (aligned or not), and the copy out too."""
+    region = pool.region
+    rng = np.random.default_rng(misaligned)
+    base = pool.alloc(1 << 16) + misaligned
+    for piece in (64, 240, 248, 1024, 4160):
+        data = rng.integers(0, 256, piece * 3, dtype=np.uint8)
+        sums = np.zeros(3, np.uint64)
+        region.copy_in_blocks(np.array([base]), [data], sums, 5, piece)
+        assert sums.tolist() == [digest(data[i * piece:(i + 1) * piece], 5) for i in range(3)]
+        assert region.read(base, data.size) == data.tobytes()
+        out, again = np.zeros_like(data), np.zeros(3, np.uint64)
+        region.copy_out_blocks(np.array([base]), [out], again, 5, piece)
+        assert (out == data).all() and (again == sums).all()
 
 
 @pytest.mark.parametrize("dtype", sorted(DTYPE_BYTES))

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tract._native._region import xxh64
+from tract._native._region import digest
 from tract.transfer import CudaError
 
 __all__ = ["REGISTER_CHUNK", "CudaTransfer"]
@@ -97,7 +97,7 @@ class CudaTransfer:
 
     def _sums(self, offsets) -> np.ndarray:
         engine, layout = self.engine, self.engine.layout
-        digests = np.array([xxh64(self.region.view(int(offset), layout.piece_bytes), engine.seed)
+        digests = np.array([digest(self.region.view(int(offset), layout.piece_bytes), engine.seed)
                             for offset in engine._offsets(offsets)], dtype=np.uint64)
         return engine._sums(digests)
 

@@ -15,7 +15,8 @@ reported as a miss, never returned as data.
 
 Checksums.  Each block's checksum is XXH64 (seed: the pool's key) over the
 digests of its *pieces*: the block cut into ``layout.pieces`` equal parts
-(one per layer and K/V), each hashed as it is copied while still in cache.
+(one per layer and K/V), each hashed by the copy that moves it, from the
+same loads (XXH3-64 above 240 bytes, XXH64 below: `_native._region.digest`).
 So the checksum does not depend on how an engine splits its blocks, costs
 no second pass over the data, and any flipped byte changes it.  It is on by
 default: on real non-coherent hardware a torn or stale block must be a

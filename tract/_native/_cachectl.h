@@ -416,6 +416,214 @@ static inline uint64_t tract_copy_out_xxh64(char *dst, const char *src, size_t n
     return tract_xxh64_end(v, dst + body, n, seed);
 }
 
+/* XXH3-64 for inputs longer than 240 bytes (bit-exact with
+ * `xxhash.xxh3_64`), fused with the copy it checks: each 64-byte stripe is
+ * loaded once, folded into the accumulators and stored (streaming stores
+ * into the pool, plain ones out of it). */
+static const unsigned char TRACT_XXH3_SECRET[192] = {
+    0xb8, 0xfe, 0x6c, 0x39, 0x23, 0xa4, 0x4b, 0xbe, 0x7c, 0x01, 0x81, 0x2c,
+    0xf7, 0x21, 0xad, 0x1c, 0xde, 0xd4, 0x6d, 0xe9, 0x83, 0x90, 0x97, 0xdb,
+    0x72, 0x40, 0xa4, 0xa4, 0xb7, 0xb3, 0x67, 0x1f, 0xcb, 0x79, 0xe6, 0x4e,
+    0xcc, 0xc0, 0xe5, 0x78, 0x82, 0x5a, 0xd0, 0x7d, 0xcc, 0xff, 0x72, 0x21,
+    0xb8, 0x08, 0x46, 0x74, 0xf7, 0x43, 0x24, 0x8e, 0xe0, 0x35, 0x90, 0xe6,
+    0x81, 0x3a, 0x26, 0x4c, 0x3c, 0x28, 0x52, 0xbb, 0x91, 0xc3, 0x00, 0xcb,
+    0x88, 0xd0, 0x65, 0x8b, 0x1b, 0x53, 0x2e, 0xa3, 0x71, 0x64, 0x48, 0x97,
+    0xa2, 0x0d, 0xf9, 0x4e, 0x38, 0x19, 0xef, 0x46, 0xa9, 0xde, 0xac, 0xd8,
+    0xa8, 0xfa, 0x76, 0x3f, 0xe3, 0x9c, 0x34, 0x3f, 0xf9, 0xdc, 0xbb, 0xc7,
+    0xc7, 0x0b, 0x4f, 0x1d, 0x8a, 0x51, 0xe0, 0x4b, 0xcd, 0xb4, 0x59, 0x31,
+    0xc8, 0x9f, 0x7e, 0xc9, 0xd9, 0x78, 0x73, 0x64, 0xea, 0xc5, 0xac, 0x83,
+    0x34, 0xd3, 0xeb, 0xc3, 0xc5, 0x81, 0xa0, 0xff, 0xfa, 0x13, 0x63, 0xeb,
+    0x17, 0x0d, 0xdd, 0x51, 0xb7, 0xf0, 0xda, 0x49, 0xd3, 0x16, 0x55, 0x26,
+    0x29, 0xd4, 0x68, 0x9e, 0x2b, 0x16, 0xbe, 0x58, 0x7d, 0x47, 0xa1, 0xfc,
+    0x8f, 0xf8, 0xb8, 0xd1, 0x7a, 0xd0, 0x31, 0xce, 0x45, 0xcb, 0x3a, 0x8f,
+    0x95, 0x16, 0x04, 0x28, 0xaf, 0xd7, 0xfb, 0xca, 0xbb, 0x4b, 0x40, 0x7e,
+};
+
+#define TRACT_XXH3_P32_1 0x9E3779B1ULL
+#define TRACT_XXH3_P32_2 0x85EBCA77ULL
+#define TRACT_XXH3_P32_3 0xC2B2AE3DULL
+
+static inline void tract_xxh3_secret(unsigned char secret[192], uint64_t seed)
+{
+    memcpy(secret, TRACT_XXH3_SECRET, 192);
+    if (!seed) return;
+    for (int i = 0; i < 192; i += 16) {
+        uint64_t low = tract_read64((const char *)secret + i) + seed;
+        uint64_t high = tract_read64((const char *)secret + i + 8) - seed;
+        memcpy(secret + i, &low, 8);
+        memcpy(secret + i + 8, &high, 8);
+    }
+}
+
+/* One stripe: fold src[0..64) into acc; with dst, store it there too
+ * (streaming when nt). */
+static inline void tract_xxh3_stripe(uint64_t acc[8], const char *src, const unsigned char *key,
+                                     char *dst, int nt)
+{
+    uint64_t data[8];
+    memcpy(data, src, 64);
+    for (int i = 0; i < 8; i++) {
+        uint64_t mixed = data[i] ^ tract_read64((const char *)key + 8 * i);
+        acc[i ^ 1] += data[i];
+        acc[i] += (mixed & 0xFFFFFFFFULL) * (mixed >> 32);
+    }
+    if (dst) {
+#ifdef TRACT_X86
+        if (nt) {
+            for (int i = 0; i < 8; i++) _mm_stream_si64((long long *)(dst + 8 * i), (long long)data[i]);
+            return;
+        }
+#endif
+        memcpy(dst, data, 64);
+    }
+}
+
+#ifdef TRACT_X86
+/* tract_xxh3_stripe over `count` stripes with AVX2 (xxhash's own
+ * vectorisation: 32x32->64 products of the keyed halves, plus the data
+ * with its 64-bit lanes swapped); key advances 8 bytes a stripe.  With
+ * dst the loaded data is stored there (streaming when nt: dst 32-aligned). */
+__attribute__((target("avx2")))
+static void tract_xxh3_stripes_avx2(uint64_t acc64[8], const char *src, const unsigned char *key,
+                                    size_t count, char *dst, int nt)
+{
+    __m256i acc[2] = {_mm256_loadu_si256((const __m256i *)acc64),
+                      _mm256_loadu_si256((const __m256i *)(acc64 + 4))};
+    for (size_t s = 0; s < count; s++, src += 64, key += 8) {
+        for (int j = 0; j < 2; j++) {
+            __m256i data = _mm256_loadu_si256((const __m256i *)(src + 32 * j));
+            __m256i mixed = _mm256_xor_si256(data,
+                _mm256_loadu_si256((const __m256i *)(key + 32 * j)));
+            __m256i product = _mm256_mul_epu32(mixed, _mm256_shuffle_epi32(mixed, 0x31));
+            __m256i swapped = _mm256_shuffle_epi32(data, 0x4E);
+            acc[j] = _mm256_add_epi64(acc[j], _mm256_add_epi64(product, swapped));
+            if (dst) {
+                if (nt) _mm256_stream_si256((__m256i *)(dst + 32 * j), data);
+                else _mm256_storeu_si256((__m256i *)(dst + 32 * j), data);
+            }
+        }
+        if (dst) dst += 64;
+    }
+    _mm256_storeu_si256((__m256i *)acc64, acc[0]);
+    _mm256_storeu_si256((__m256i *)(acc64 + 4), acc[1]);
+}
+#endif
+
+#ifdef TRACT_X86
+/* The same with AVX-512: one register per stripe (dst 64-aligned when nt). */
+__attribute__((target("avx512f")))
+static void tract_xxh3_stripes_avx512(uint64_t acc64[8], const char *src,
+                                      const unsigned char *key, size_t count, char *dst, int nt)
+{
+    __m512i acc = _mm512_loadu_si512((const void *)acc64);
+    for (size_t s = 0; s < count; s++, src += 64, key += 8) {
+        __m512i data = _mm512_loadu_si512((const void *)src);
+        __m512i mixed = _mm512_xor_si512(data, _mm512_loadu_si512((const void *)key));
+        __m512i product = _mm512_mul_epu32(mixed, _mm512_shuffle_epi32(mixed, (_MM_PERM_ENUM)0x31));
+        __m512i swapped = _mm512_shuffle_epi32(data, (_MM_PERM_ENUM)0x4E);
+        acc = _mm512_add_epi64(acc, _mm512_add_epi64(product, swapped));
+        if (dst) {
+            if (nt) _mm512_stream_si512((void *)dst, data);
+            else _mm512_storeu_si512((void *)dst, data);
+            dst += 64;
+        }
+    }
+    _mm512_storeu_si512((void *)acc64, acc);
+}
+#endif
+
+static inline uint64_t tract_fold128(uint64_t a, uint64_t b)
+{
+    __uint128_t product = (__uint128_t)a * b;
+    return (uint64_t)product ^ (uint64_t)(product >> 64);
+}
+
+#ifdef TRACT_X86
+static inline void tract_xxh3_stripes(int vector, uint64_t acc[8], const char *src,
+                                      const unsigned char *key, size_t count, char *dst, int nt)
+{
+    if (vector == 2) tract_xxh3_stripes_avx512(acc, src, key, count, dst, nt);
+    else tract_xxh3_stripes_avx2(acc, src, key, count, dst, nt);
+}
+#endif
+
+/* XXH3-64 of src[0..n), n > 240; with dst, src is copied there as it is
+ * hashed (nt: streaming stores, a last partial line written back with
+ * `insn`; the caller's store fence puts it all in memory). */
+static uint64_t tract_xxh3_copy(char *dst, const char *src, size_t n, uint64_t seed, int nt,
+                                int insn, int vector)
+{
+    if (dst && nt && ((uintptr_t)dst & (TRACT_LINE - 1))) {
+        /* not line-aligned: plain copies, then the whole range written back */
+        uint64_t h = tract_xxh3_copy(dst, src, n, seed, 0, insn, vector);
+        tract_lines(insn, dst, n);
+        return h;
+    }
+    unsigned char secret[192];
+    tract_xxh3_secret(secret, seed);
+    uint64_t acc[8] = {TRACT_XXH3_P32_3, TRACT_P1, TRACT_P2, TRACT_P3, TRACT_P4,
+                       TRACT_XXH3_P32_2, TRACT_P5, TRACT_XXH3_P32_1};
+    const size_t per_block = (192 - 64) / 8, block = 64 * per_block;
+    size_t blocks = (n - 1) / block, done = 0;
+    for (size_t b = 0; b < blocks; b++) {
+#ifdef TRACT_X86
+        if (vector) {
+            tract_xxh3_stripes(vector, acc, src + done, secret, per_block,
+                               dst ? dst + done : NULL, nt);
+            done += block;
+        } else
+#endif
+        for (size_t s = 0; s < per_block; s++, done += 64)
+            tract_xxh3_stripe(acc, src + done, secret + 8 * s, dst ? dst + done : NULL, nt);
+        for (int i = 0; i < 8; i++) {
+            acc[i] ^= acc[i] >> 47;
+            acc[i] ^= tract_read64((const char *)secret + 192 - 64 + 8 * i);
+            acc[i] *= TRACT_XXH3_P32_1;
+        }
+    }
+    size_t stripes = ((n - 1) - block * blocks) / 64;
+#ifdef TRACT_X86
+    if (vector) {
+        tract_xxh3_stripes(vector, acc, src + done, secret, stripes, dst ? dst + done : NULL, nt);
+        done += 64 * stripes;
+    } else
+#endif
+    for (size_t s = 0; s < stripes; s++, done += 64)
+        tract_xxh3_stripe(acc, src + done, secret + 8 * s, dst ? dst + done : NULL, nt);
+    tract_xxh3_stripe(acc, src + n - 64, secret + 192 - 64 - 7, NULL, 0);
+    if (dst) {  /* the bytes past the last whole stripe: whole lines streamed too */
+        size_t whole = nt && vector ? (n - done) & ~(size_t)(TRACT_LINE - 1) : 0;
+#ifdef TRACT_X86
+        if (whole && vector == 2) tract_stream_avx512(dst + done, src + done, whole);
+        else if (whole) tract_stream_avx2(dst + done, src + done, whole);
+#endif
+        done += whole;
+        memcpy(dst + done, src + done, n - done);
+        if (nt) tract_lines(insn, dst + done, n - done);
+    }
+    uint64_t h = (uint64_t)n * TRACT_P1;
+    for (int i = 0; i < 4; i++)
+        h += tract_fold128(acc[2 * i] ^ tract_read64((const char *)secret + 11 + 16 * i),
+                           acc[2 * i + 1] ^ tract_read64((const char *)secret + 11 + 16 * i + 8));
+    h ^= h >> 37;
+    h *= 0x165667919E3779F9ULL;
+    return h ^ (h >> 32);
+}
+
+/* The digest of a payload piece: XXH3-64 above 240 bytes, XXH64 up to
+ * that; with dst, src is copied there as it is hashed (see tract_xxh3_copy;
+ * kind and insn as for tract_copy_in_nt when nt: the caller store-fences). */
+static inline uint64_t tract_digest_copy(char *dst, const char *src, size_t n, uint64_t seed,
+                                         int nt, int kind, int insn)
+{
+    int vector = kind == TRACT_NT_AVX512 ? 2 : kind == TRACT_NT_AVX2 ? 1 : 0;
+    if (n > 240)
+        return tract_xxh3_copy(dst, src, n, seed, nt && kind != TRACT_NT_NONE, insn, vector);
+    if (!dst) return tract_xxh64(src, n, seed);
+    if (nt) return tract_copy_in_nt_xxh64(kind, insn, dst, src, n, seed);
+    return tract_copy_out_xxh64(dst, src, n, seed);
+}
+
 /* ------------------------------------------------- coherent pools only */
 
 /* Compare-and-swap on a u64; returns the value found.  Atomic only among

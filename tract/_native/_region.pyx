@@ -51,6 +51,8 @@ cdef extern from "_cachectl.h" nogil:
     uint64_t tract_copy_in_nt_xxh64(int kind, int insn, char *dst, const char *src, size_t n,
                                     uint64_t seed) noexcept
     uint64_t tract_copy_out_xxh64(char *dst, const char *src, size_t n, uint64_t seed) noexcept
+    uint64_t tract_digest_copy(char *dst, const char *src, size_t n, uint64_t seed, int nt,
+                               int kind, int insn) noexcept
 
 LINE = TRACT_LINE
 BUILD_PATH = TRACT_BUILD_PATH.decode()
@@ -347,7 +349,7 @@ cdef class Region:
                        uint64_t seed=0, int64_t piece=0):
         """`copy_in` (non-temporal: in memory on return) of each buffer of
         ``sources`` to its offset, in one call without the GIL.  With
-        ``sums``: the XXH64 digest (``seed``) of each ``piece`` bytes of the
+        ``sums``: the `digest` (``seed``) of each ``piece`` bytes of the
         sources in order (of each whole source when ``piece`` is 0), hashed
         as it is copied."""
         cdef Py_ssize_t n = offsets.shape[0], i, got = 0
@@ -364,11 +366,12 @@ cdef class Region:
                                              self._base + offsets[i] + at,
                                              <const char *>views[i].buf + at, size)
                         else:
-                            sums[k] = tract_copy_in_nt_xxh64(
-                                self._nt_kind, self._writeback_insn, self._base + offsets[i] + at,
-                                <const char *>views[i].buf + at, size, seed)
+                            sums[k] = tract_digest_copy(
+                                self._base + offsets[i] + at, <const char *>views[i].buf + at,
+                                size, seed, 1, self._nt_kind, self._writeback_insn)
                             k += 1
                         at += size
+                tract_store_fence()  # every streaming store and write-back in memory (R3)
         finally:
             for i in range(got):
                 PyBuffer_Release(&views[i])
@@ -378,7 +381,7 @@ cdef class Region:
                         uint64_t seed=0, int64_t piece=0):
         """Fill each buffer of ``targets`` from its offset, fresh: every
         range is dropped first (the payload instruction), then one fence
-        (R4).  With ``sums``: the XXH64 digest (``seed``) of each ``piece``
+        (R4).  With ``sums``: the `digest` (``seed``) of each ``piece``
         bytes copied, in order (of each whole target when ``piece`` is 0)."""
         cdef Py_ssize_t n = offsets.shape[0], i, got = 0
         cdef Py_buffer *views = self._views(offsets, targets, sums, piece, True, &got)
@@ -395,8 +398,9 @@ cdef class Region:
                         continue
                     at = 0
                     while at < views[i].len:
-                        sums[k] = tract_copy_out_xxh64(<char *>views[i].buf + at,
-                                                       self._base + offsets[i] + at, size, seed)
+                        sums[k] = tract_digest_copy(<char *>views[i].buf + at,
+                                                    self._base + offsets[i] + at, size, seed, 0,
+                                                    self._nt_kind, self._writeback_insn)
                         k += 1
                         at += size
         finally:
@@ -590,6 +594,27 @@ cdef inline uint64_t _fit(value, uint64_t limit, str width, int64_t offset) exce
     if not 0 <= value <= limit:
         raise OverflowError(f"value {value!r} does not fit in {width} (0..{limit}) at offset {offset}")
     return <uint64_t>value
+
+
+# the widest vector kind this CPU hashes with (digest without a region)
+cdef int _VECTOR_KIND = (TRACT_NT_AVX512 if tract_cpu_features() & TRACT_HAS_AVX512F else
+                         TRACT_NT_AVX2 if tract_cpu_features() & TRACT_HAS_AVX2 else
+                         TRACT_NT_NONE)
+
+
+def digest(data, uint64_t seed=0):
+    """The digest `Region.copy_in_blocks` computes of one piece: XXH3-64
+    (``xxhash.xxh3_64``) above 240 bytes, XXH64 (``xxhash.xxh64``) up to it."""
+    cdef Py_buffer view
+    cdef uint64_t result
+    _get_buffer(data, &view, PyBUF_SIMPLE, "digest data")
+    try:
+        with nogil:
+            result = tract_digest_copy(NULL, <const char *>view.buf, view.len, seed, 0,
+                                       _VECTOR_KIND, TRACT_INSN_NONE)
+        return result
+    finally:
+        PyBuffer_Release(&view)
 
 
 def xxh64(data, uint64_t seed=0):

@@ -503,13 +503,13 @@ class SimHost:
     def _digests(buffers, sums, seed, piece) -> None:
         if sums is None:
             return
-        from tract._native._region import xxh64
+        from tract._native._region import digest
 
         digests = []
         for buffer in buffers:
             data = memoryview(buffer).cast("B")
             size = piece or data.nbytes
-            digests += [xxh64(data[at:at + size], seed) for at in range(0, data.nbytes, size)]
+            digests += [digest(data[at:at + size], seed) for at in range(0, data.nbytes, size)]
         if len(digests) != len(sums):
             raise ValueError(f"sums must hold {len(digests)} digests, got {len(sums)}")
         sums[:] = digests
