@@ -7,6 +7,7 @@ started raises `Unavailable` with the reason, which the report prints."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import multiprocessing
 import os
 import shutil
@@ -155,17 +156,18 @@ def mooncake_tcp_handoff(size: int, count: int, repeats: int) -> float:
                f"--http_metadata_server_port={metadata}"]
     segment = max(512 << 20, 4 * size * count)
     with _server(command, [master, metadata], "mooncake_master"):
-        store = _mooncake_store(master, metadata, segment)
         source = np.random.default_rng(5).integers(0, 256, size * count, dtype=np.uint8)
         address = source.ctypes.data
-        if store.register_buffer(address, source.nbytes):
-            raise Unavailable("mooncake: register_buffer failed")
-        state = {}
+        state, mine = {}, {}  # each process's client, made after the fork
 
         def produce(round_):
+            if "store" not in mine:
+                mine["store"] = _mooncake_store(master, metadata, segment)
+                if mine["store"].register_buffer(address, source.nbytes):
+                    raise Unavailable("mooncake: register_buffer failed")
             keys = [f"r{round_}:{i}" for i in range(count)]
-            codes = store.batch_put_from(keys, [address + i * size for i in range(count)],
-                                         [size] * count)
+            codes = mine["store"].batch_put_from(keys, [address + i * size
+                                                        for i in range(count)], [size] * count)
             if any(code != 0 for code in codes):
                 raise Unavailable(f"mooncake: batch_put_from returned {codes[:3]}")
 
@@ -184,7 +186,111 @@ def mooncake_tcp_handoff(size: int, count: int, repeats: int) -> float:
             return _handoff(produce, consume, repeats, size * count)
         finally:
             with contextlib.suppress(Exception):
-                store.close()
+                mine["store"].close()
 
 
-PEERS = {"redis": redis_handoff, "mooncake_tcp": mooncake_tcp_handoff}
+def mooncake_shm_handoff(size: int, count: int, repeats: int) -> float:
+    """Mooncake Store's shared-memory path: both processes attach to one
+    `mooncake_client` (the segment holder) with `setup_dummy`, their
+    buffers come from its memory pool, and they move data with the batched
+    zero-copy calls."""
+    try:
+        import mooncake.store  # noqa: F401
+    except ImportError as error:
+        raise Unavailable(f"mooncake: mooncake-transfer-engine-non-cuda is not installed "
+                          f"({error})") from None
+    master, metadata, client = _free_port(), _free_port(), _free_port()
+    segment = max(1 << 30, 4 * size * count)
+    master_command = ["mooncake_master", "--rpc_address=127.0.0.1", f"--rpc_port={master}",
+                      "--enable_http_metadata_server=true",
+                      "--http_metadata_server_host=127.0.0.1",
+                      f"--http_metadata_server_port={metadata}"]
+    client_command = ["mooncake_client", "--host=127.0.0.1", f"--port={client}",
+                      f"--master_server_address=127.0.0.1:{master}",
+                      f"--metadata_server=http://127.0.0.1:{metadata}/metadata",
+                      f"--global_segment_size={segment}", "--protocol=tcp"]
+    with _server(master_command, [master, metadata], "mooncake_master"), \
+            _server(client_command, [client], "mooncake_client"):
+        def attach():
+            from mooncake.store import MooncakeDistributedStore
+
+            store = MooncakeDistributedStore()
+            code = store.setup_dummy(2 * size * count, 2 * size * count, f"127.0.0.1:{client}")
+            if code:
+                raise Unavailable(f"mooncake: setup_dummy returned {code}")
+            buffer = store.alloc_from_mem_pool(size * count)
+            if not buffer:
+                raise Unavailable("mooncake: alloc_from_mem_pool gave no memory")
+            if store.register_buffer(buffer, size * count):
+                raise Unavailable("mooncake: register_buffer failed for a pool buffer")
+            return store, buffer
+
+        data = np.random.default_rng(6).integers(0, 256, size * count, dtype=np.uint8)
+        state, mine = {}, {}  # each process's client, made after the fork
+
+        def produce(round_):
+            if "store" not in mine:
+                mine["store"], mine["buffer"] = attach()
+                ctypes.memmove(mine["buffer"], data.ctypes.data, data.nbytes)
+            source = mine["buffer"]
+            keys = [f"s{round_}:{i}" for i in range(count)]
+            codes = mine["store"].batch_put_from(keys, [source + i * size
+                                                        for i in range(count)], [size] * count)
+            if any(code != 0 for code in codes):
+                raise Unavailable(f"mooncake: batch_put_from returned {codes[:3]}")
+
+        def consume(round_):
+            if "store" not in state:
+                state["store"], state["out"] = attach()
+            keys = [f"s{round_}:{i}" for i in range(count)]
+            got = state["store"].batch_get_into(keys, [state["out"] + i * size
+                                                       for i in range(count)], [size] * count)
+            assert all(n == size for n in got), got[:3]
+
+        try:
+            return _handoff(produce, consume, repeats, size * count)
+        finally:
+            with contextlib.suppress(Exception):
+                mine["store"].close()
+
+
+_PEERS = {"redis": redis_handoff, "mooncake_tcp": mooncake_tcp_handoff,
+          "mooncake_shm": mooncake_shm_handoff}
+
+
+def _isolated(name: str, size: int, count: int, repeats: int, results) -> None:
+    quiet = os.open(os.devnull, os.O_WRONLY)  # the peers' own logging (glog) to stderr
+    os.dup2(quiet, 2)
+    try:
+        results.put(("ok", _PEERS[name](size, count, repeats)))
+    except Unavailable as why:
+        results.put(("unavailable", why.args[0]))
+    except Exception as error:  # noqa: BLE001 - reported as a reason
+        results.put(("unavailable", f"{name}: {type(error).__name__}: {error}"))
+
+
+def _measure(name: str):
+    """A peer's measurement in a fresh interpreter of its own: client
+    libraries that start threads (Mooncake's) do not survive the forks the
+    next measurement makes."""
+    def measure(size: int, count: int, repeats: int, timeout: float = 300.0) -> float:
+        context = multiprocessing.get_context("spawn")
+        results = context.Queue()
+        process = context.Process(target=_isolated, args=(name, size, count, repeats, results))
+        process.start()
+        try:
+            kind, value = results.get(timeout=timeout)
+        except Exception:  # noqa: BLE001 - a hang or a crash: unavailable, with why
+            process.kill()
+            raise Unavailable(f"{name}: no result within {timeout:.0f} s (exit code "
+                              f"{process.exitcode})") from None
+        finally:
+            process.join(30)
+        if kind == "unavailable":
+            raise Unavailable(value)
+        return value
+
+    return measure
+
+
+PEERS = {name: _measure(name) for name in _PEERS}
