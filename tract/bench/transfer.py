@@ -65,6 +65,10 @@ class _Pool:
         self.manager = context.Process(target=_manage, args=(self.path, self.stop))
         self.manager.start()
         self.pool = Pool.open(self.path, 0, populate=True)
+        # every heap page written once, as in a pool that has been serving a
+        # while (a first write to a /dev/shm page faults; a DAX device never does)
+        header = self.pool.header
+        self.pool.region.fill(header.heap, header.heap_end - header.heap, 0)
 
     def close(self):
         self.pool.close()
