@@ -7,10 +7,10 @@ answer exactly as they do."""
 
 import random
 
+import naive
 import numpy as np
 import pytest
 
-import naive
 from tract._kernels import probe
 from tract.errors import CorruptionError
 from tract.index import Index, _IndexFull
@@ -77,7 +77,7 @@ def _pin_counts(index):
 
 
 def test_lookup_and_pin_match_the_python_steps(indexes):
-    pool, fast, reference = indexes
+    _, fast, reference = indexes
     rng = random.Random(5)
     for _ in range(150):
         keys = _keys(rng, rng.randint(1, 12), fast.mask)
@@ -172,7 +172,7 @@ def test_publish_and_eviction_churn_keeps_chains_short(indexes):
     """A table at 70% load under publish / evict churn: every present key
     stays found, no entry lies past its home's reach, and a sweep of
     eviction lowers every reach to the farthest entry left."""
-    pool, fast, reference = indexes
+    _, fast, reference = indexes
     rng = np.random.default_rng(8)
     present: set[tuple[int, int]] = set()
     for round in range(300):

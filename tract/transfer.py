@@ -41,7 +41,7 @@ import numpy as np
 from tract._native._region import xxh64
 from tract.errors import ConfigError, TractError
 
-__all__ = ["CudaError", "DTYPE_BYTES", "KVLayout", "TransferEngine"]
+__all__ = ["DTYPE_BYTES", "CudaError", "KVLayout", "TransferEngine"]
 
 #: bytes per element of each KV dtype an engine may use
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1,

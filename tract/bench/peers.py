@@ -142,6 +142,26 @@ def _mooncake_store(master: int, metadata: int, segment: int):
     return store
 
 
+def _keys(prefix: str, round_: int, count: int) -> list[str]:
+    return [f"{prefix}{round_}:{i}" for i in range(count)]
+
+
+def _put(store, keys: list[str], base: int, size: int) -> None:
+    """`batch_put_from` of consecutive ``size``-byte buffers from ``base``."""
+    codes = store.batch_put_from(keys, [base + i * size for i in range(len(keys))],
+                                 [size] * len(keys))
+    if any(code != 0 for code in codes):
+        raise Unavailable(f"mooncake: batch_put_from returned {codes[:3]}")
+
+
+def _get(store, keys: list[str], base: int, size: int) -> None:
+    """`batch_get_into` consecutive ``size``-byte buffers from ``base``."""
+    got = store.batch_get_into(keys, [base + i * size for i in range(len(keys))],
+                               [size] * len(keys))
+    if any(n != size for n in got):
+        raise Unavailable(f"mooncake: batch_get_into returned {got[:3]}")
+
+
 def mooncake_tcp_handoff(size: int, count: int, repeats: int) -> float:
     """Mooncake Store over TCP, batched zero-copy calls from registered
     buffers (`batch_put_from` / `batch_get_into`)."""
@@ -165,22 +185,14 @@ def mooncake_tcp_handoff(size: int, count: int, repeats: int) -> float:
                 mine["store"] = _mooncake_store(master, metadata, segment)
                 if mine["store"].register_buffer(address, source.nbytes):
                     raise Unavailable("mooncake: register_buffer failed")
-            keys = [f"r{round_}:{i}" for i in range(count)]
-            codes = mine["store"].batch_put_from(keys, [address + i * size
-                                                        for i in range(count)], [size] * count)
-            if any(code != 0 for code in codes):
-                raise Unavailable(f"mooncake: batch_put_from returned {codes[:3]}")
+            _put(mine["store"], _keys("r", round_, count), address, size)
 
         def consume(round_):
             if "store" not in state:
                 state["store"] = _mooncake_store(master, metadata, segment)
                 state["out"] = np.empty(size * count, np.uint8)
                 state["store"].register_buffer(state["out"].ctypes.data, size * count)
-            out = state["out"]
-            keys = [f"r{round_}:{i}" for i in range(count)]
-            got = state["store"].batch_get_into(keys, [out.ctypes.data + i * size
-                                                       for i in range(count)], [size] * count)
-            assert all(n == size for n in got), got[:3]
+            _get(state["store"], _keys("r", round_, count), state["out"].ctypes.data, size)
 
         try:
             return _handoff(produce, consume, repeats, size * count)
@@ -232,20 +244,12 @@ def mooncake_shm_handoff(size: int, count: int, repeats: int) -> float:
             if "store" not in mine:
                 mine["store"], mine["buffer"] = attach()
                 ctypes.memmove(mine["buffer"], data.ctypes.data, data.nbytes)
-            source = mine["buffer"]
-            keys = [f"s{round_}:{i}" for i in range(count)]
-            codes = mine["store"].batch_put_from(keys, [source + i * size
-                                                        for i in range(count)], [size] * count)
-            if any(code != 0 for code in codes):
-                raise Unavailable(f"mooncake: batch_put_from returned {codes[:3]}")
+            _put(mine["store"], _keys("s", round_, count), mine["buffer"], size)
 
         def consume(round_):
             if "store" not in state:
                 state["store"], state["out"] = attach()
-            keys = [f"s{round_}:{i}" for i in range(count)]
-            got = state["store"].batch_get_into(keys, [state["out"] + i * size
-                                                       for i in range(count)], [size] * count)
-            assert all(n == size for n in got), got[:3]
+            _get(state["store"], _keys("s", round_, count), state["out"], size)
 
         try:
             return _handoff(produce, consume, repeats, size * count)

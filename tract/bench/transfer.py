@@ -294,13 +294,10 @@ def run(quick: bool = False, peers: bool = True, device: str = "cpu") -> list[Re
                 Result(f"transfer[handoff,{label}]", handoff, "GB/s", True,
                        "two_copy_memcpy", bound),
             ]
-            baselines = {"tcp_loopback": lambda: _tcp_handoff(size, count, repeats)}
-            if peers:
-                for name, peer in PEERS.items():
-                    baselines[name] = lambda peer=peer: peer(size, count, repeats)
+            baselines = {"tcp_loopback": _tcp_handoff, **(PEERS if peers else {})}
             for name, measure in baselines.items():
                 try:
-                    value = measure()
+                    value = measure(size, count, repeats)
                 except Unavailable as why:
                     if why.args[0] not in notes:
                         notes.append(why.args[0])
