@@ -16,9 +16,9 @@ P/D handoff
     by the prefill node and named in the object store
     (``handoff/<digest of the request id>``: the keys and a deadline).  The
     decode side `take`s it: pins, loads, unpins, and deletes the record.
-    The prefill side's `release` (called by every connector operation, and
-    by the engine when it likes) drops the pins of taken, expired or
-    cancelled offers, so a decode worker that never comes costs pins for
+    The prefill side's `release` (called by the cache operations every
+    `RELEASE_EVERY` seconds, and by the engine when it likes) drops the pins
+    of taken, expired or cancelled offers, so a decode worker that never comes costs pins for
     one TTL only, and one that dies costs nothing more: pins of a dead node
     do not count (R6).
 
@@ -40,8 +40,9 @@ from tract.hashing import BlockHasher
 from tract.index import Hits
 from tract.transfer import KVLayout, TransferEngine
 
-__all__ = ["Connector", "Offer", "Taken"]
+__all__ = ["RELEASE_EVERY", "Connector", "Offer", "Taken"]
 
+RELEASE_EVERY = 0.01  # seconds between the cache calls' checks of this process's offers
 _RECORD = struct.Struct("<8sQdI")  # magic, producer node, deadline (wall s), key count
 _MAGIC = b"tractHO1"
 
@@ -83,6 +84,7 @@ class Connector:
                                   namespace=layout.namespace(), salt=salt)
         self.ttl, self.timeout = handoff_ttl, timeout
         self.offers: dict[str, Offer] = {}
+        self._released = float("-inf")
         self.stats = dict.fromkeys(["lookups", "hit_blocks", "loaded_blocks", "stored_blocks",
                                     "checksum_failures", "offers", "taken", "expired"], 0)
 
@@ -100,7 +102,7 @@ class Connector:
 
     def lookup(self, tokens_or_hashes) -> int:
         """How many leading tokens the pool holds, ready."""
-        self.release()
+        self._release_now_and_then()
         keys = self.keys(tokens_or_hashes)
         self.stats["lookups"] += 1
         blocks = self.index.lookup(keys)
@@ -136,7 +138,7 @@ class Connector:
     def store(self, tokens_or_hashes, blocks: Sequence) -> int:
         """Store the blocks of the keys that the pool lacks; returns how
         many were published (blocks present already are not copied)."""
-        self.release()
+        self._release_now_and_then()
         keys = self.keys(tokens_or_hashes)[:len(blocks)]
         if not keys.shape[0]:
             return 0
@@ -217,6 +219,14 @@ class Connector:
         except KeyError:
             return  # the other side ended it
         self.pool.free(record.offset, self.timeout)
+
+    def _release_now_and_then(self) -> None:
+        """`release`, from the cache calls, at most every `RELEASE_EVERY`
+        seconds (it reads each offer's record)."""
+        now = self.pool.clock.now()
+        if self.offers and now - self._released >= RELEASE_EVERY:
+            self._released = now
+            self.release()
 
     def release(self) -> int:
         """Prefill side: drop the pins of offers that were taken, expired
