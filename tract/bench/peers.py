@@ -150,16 +150,20 @@ def _put(store, keys: list[str], base: int, size: int) -> None:
     """`batch_put_from` of consecutive ``size``-byte buffers from ``base``."""
     codes = store.batch_put_from(keys, [base + i * size for i in range(len(keys))],
                                  [size] * len(keys))
-    if any(code != 0 for code in codes):
-        raise Unavailable(f"mooncake: batch_put_from returned {codes[:3]}")
+    failed = [code for code in codes if code != 0]
+    if failed:
+        raise Unavailable(f"mooncake: batch_put_from failed for {len(failed)} of {len(codes)} "
+                          f"keys (codes {sorted(set(failed))[:3]})")
 
 
 def _get(store, keys: list[str], base: int, size: int) -> None:
     """`batch_get_into` consecutive ``size``-byte buffers from ``base``."""
     got = store.batch_get_into(keys, [base + i * size for i in range(len(keys))],
                                [size] * len(keys))
-    if any(n != size for n in got):
-        raise Unavailable(f"mooncake: batch_get_into returned {got[:3]}")
+    short = [n for n in got if n != size]
+    if short:
+        raise Unavailable(f"mooncake: batch_get_into got {len(short)} of {len(got)} keys short "
+                          f"(results {sorted(set(short))[:3]})")
 
 
 def mooncake_tcp_handoff(size: int, count: int, repeats: int) -> float:
