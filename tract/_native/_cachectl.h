@@ -286,8 +286,8 @@ static inline void tract_copy_in_nt(int kind, int insn, char *dst, const char *s
 
 /* ----------------------------------------------------------- checksums */
 
-/* XXH64 (bit-exact with the reference: `xxhash.xxh64`), in pieces so that a
- * copy can hash what it just moved while it is still in cache. */
+/* XXH64 (bit-exact with the reference: `xxhash.xxh64`): the digest of small
+ * pieces (up to 240 bytes) and of a block's piece digests. */
 #define TRACT_P1 0x9E3779B185EBCA87ULL
 #define TRACT_P2 0xC2B2AE3D27D4EB4FULL
 #define TRACT_P3 0x165667B19E3779F9ULL
@@ -380,40 +380,6 @@ static inline uint64_t tract_xxh64(const char *p, size_t n, uint64_t seed)
     size_t body = n & ~(size_t)31;
     tract_xxh64_stripes(v, p, body);
     return tract_xxh64_end(v, p + body, n, seed);
-}
-
-#define TRACT_HASH_CHUNK ((size_t)16384)
-
-/* tract_copy_in_nt, hashing the source (XXH64) chunk by chunk as it goes,
- * while each chunk is still in cache; returns the digest. */
-static inline uint64_t tract_copy_in_nt_xxh64(int kind, int insn, char *dst, const char *src,
-                                              size_t n, uint64_t seed)
-{
-    uint64_t v[4];
-    tract_xxh64_init(v, seed);
-    size_t body = n & ~(size_t)31;
-    for (size_t done = 0; done < body; done += TRACT_HASH_CHUNK) {
-        size_t chunk = body - done < TRACT_HASH_CHUNK ? body - done : TRACT_HASH_CHUNK;
-        tract_copy_in_nt(kind, insn, dst + done, src + done, chunk);
-        tract_xxh64_stripes(v, src + done, chunk);
-    }
-    if (n > body) tract_copy_in_nt(kind, insn, dst + body, src + body, n - body);
-    return tract_xxh64_end(v, src + body, n, seed);
-}
-
-/* memcpy, hashing what was copied (XXH64) chunk by chunk; the digest. */
-static inline uint64_t tract_copy_out_xxh64(char *dst, const char *src, size_t n, uint64_t seed)
-{
-    uint64_t v[4];
-    tract_xxh64_init(v, seed);
-    size_t body = n & ~(size_t)31;
-    for (size_t done = 0; done < body; done += TRACT_HASH_CHUNK) {
-        size_t chunk = body - done < TRACT_HASH_CHUNK ? body - done : TRACT_HASH_CHUNK;
-        memcpy(dst + done, src + done, chunk);
-        tract_xxh64_stripes(v, dst + done, chunk);
-    }
-    memcpy(dst + body, src + body, n - body);
-    return tract_xxh64_end(v, dst + body, n, seed);
 }
 
 /* XXH3-64 for inputs longer than 240 bytes (bit-exact with
@@ -620,8 +586,9 @@ static inline uint64_t tract_digest_copy(char *dst, const char *src, size_t n, u
     if (n > 240)
         return tract_xxh3_copy(dst, src, n, seed, nt && kind != TRACT_NT_NONE, insn, vector);
     if (!dst) return tract_xxh64(src, n, seed);
-    if (nt) return tract_copy_in_nt_xxh64(kind, insn, dst, src, n, seed);
-    return tract_copy_out_xxh64(dst, src, n, seed);
+    if (nt) tract_copy_in_nt(kind, insn, dst, src, n);
+    else memcpy(dst, src, n);
+    return tract_xxh64(nt ? src : dst, n, seed);
 }
 
 /* ------------------------------------------------- coherent pools only */

@@ -48,9 +48,6 @@ cdef extern from "_cachectl.h" nogil:
     uint64_t tract_cas_u64(uint64_t *addr, uint64_t expected, uint64_t desired) noexcept
     uint32_t tract_add_u32_bounded(uint32_t *addr, int64_t delta) noexcept
     uint64_t tract_xxh64(const char *p, size_t n, uint64_t seed) noexcept
-    uint64_t tract_copy_in_nt_xxh64(int kind, int insn, char *dst, const char *src, size_t n,
-                                    uint64_t seed) noexcept
-    uint64_t tract_copy_out_xxh64(char *dst, const char *src, size_t n, uint64_t seed) noexcept
     uint64_t tract_digest_copy(char *dst, const char *src, size_t n, uint64_t seed, int nt,
                                int kind, int insn) noexcept
 
