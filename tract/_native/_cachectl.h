@@ -253,9 +253,10 @@ static void tract_stream_sse2(char *dst, const char *src, size_t n)
 /* Copy n bytes into the mapping so that, on return, all of them are in
  * memory (R3 for payloads): whole lines go by streaming stores of the given
  * kind, which bypass the cache; the partial lines at either end go by
- * ordinary stores and are written back with `insn`; one sfence orders all
- * of it.  With kind NONE this is memcpy and a write-back of the range. */
-static inline void tract_copy_in_nt(int kind, int insn, char *dst, const char *src, size_t n)
+ * ordinary stores and are written back with `insn`.  With kind NONE this is
+ * memcpy and a write-back of the range.  The caller's one store fence (one
+ * per batch of copies) then puts all of it in memory. */
+static inline void tract_stream_in(int kind, int insn, char *dst, const char *src, size_t n)
 {
     if (n == 0) return;
     size_t head = (size_t)(-(uintptr_t)dst & (TRACT_LINE - 1));
@@ -265,7 +266,6 @@ static inline void tract_copy_in_nt(int kind, int insn, char *dst, const char *s
     if (kind == TRACT_NT_NONE || body == 0) {
         memcpy(dst, src, n);
         tract_lines(insn, dst, n);
-        tract_store_fence();
         return;
     }
     if (head) {
@@ -281,6 +281,12 @@ static inline void tract_copy_in_nt(int kind, int insn, char *dst, const char *s
         memcpy(dst + head + body, src + head + body, tail);
         tract_lines(insn, dst + head + body, tail);
     }
+}
+
+/* tract_stream_in, then the store fence: in memory on return. */
+static inline void tract_copy_in_nt(int kind, int insn, char *dst, const char *src, size_t n)
+{
+    tract_stream_in(kind, insn, dst, src, n);
     tract_store_fence();
 }
 
@@ -586,7 +592,7 @@ static inline uint64_t tract_digest_copy(char *dst, const char *src, size_t n, u
     if (n > 240)
         return tract_xxh3_copy(dst, src, n, seed, nt && kind != TRACT_NT_NONE, insn, vector);
     if (!dst) return tract_xxh64(src, n, seed);
-    if (nt) tract_copy_in_nt(kind, insn, dst, src, n);
+    if (nt) tract_stream_in(kind, insn, dst, src, n);
     else memcpy(dst, src, n);
     return tract_xxh64(nt ? src : dst, n, seed);
 }

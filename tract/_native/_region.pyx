@@ -45,6 +45,7 @@ cdef extern from "_cachectl.h" nogil:
     void tract_store_fence() noexcept
     void tract_load_fence() noexcept
     void tract_copy_in_nt(int kind, int insn, char *dst, const char *src, size_t n) noexcept
+    void tract_stream_in(int kind, int insn, char *dst, const char *src, size_t n) noexcept
     uint64_t tract_cas_u64(uint64_t *addr, uint64_t expected, uint64_t desired) noexcept
     uint32_t tract_add_u32_bounded(uint32_t *addr, int64_t delta) noexcept
     uint64_t tract_xxh64(const char *p, size_t n, uint64_t seed) noexcept
@@ -355,18 +356,18 @@ cdef class Region:
         try:
             with nogil:
                 for i in range(n):
+                    if sums is None:  # one stream per buffer, one fence per batch
+                        tract_stream_in(self._nt_kind, self._writeback_insn,
+                                        self._base + offsets[i], <const char *>views[i].buf,
+                                        views[i].len)
+                        continue
                     size = piece if piece > 0 else views[i].len
                     at = 0
                     while at < views[i].len:
-                        if sums is None:
-                            tract_copy_in_nt(self._nt_kind, self._writeback_insn,
-                                             self._base + offsets[i] + at,
-                                             <const char *>views[i].buf + at, size)
-                        else:
-                            sums[k] = tract_digest_copy(
-                                self._base + offsets[i] + at, <const char *>views[i].buf + at,
-                                size, seed, 1, self._nt_kind, self._writeback_insn)
-                            k += 1
+                        sums[k] = tract_digest_copy(
+                            self._base + offsets[i] + at, <const char *>views[i].buf + at,
+                            size, seed, 1, self._nt_kind, self._writeback_insn)
+                        k += 1
                         at += size
                 tract_store_fence()  # every streaming store and write-back in memory (R3)
         finally:

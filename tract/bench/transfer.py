@@ -7,7 +7,8 @@ request shaped like a 6000-token Llama-3-8B prompt: 750 blocks of 1 MiB):
 - put GB/s (`Connector.store` of absent blocks: reserve, copy, checksum,
   publish) against the non-temporal copy into the pool;
 - get GB/s (`Connector.load`: pin, fresh copy, checksum check, unpin)
-  against numpy memcpy between private buffers;
+  against numpy memcpy between private buffers (and, for reference, the
+  same memcpy with its source still in this CPU's caches);
 - both again with checksums off;
 - handoff GB/s, prefill process -> decode process: from the moment the
   prefill side starts `offer` to the moment the decode side's `take` has
@@ -17,11 +18,18 @@ request shaped like a 6000-token Llama-3-8B prompt: 750 blocks of 1 MiB):
   (SET/GET), and Mooncake Store (TCP, and its shared-memory path) when they
   can be started here; the report says which could not, and why.
 
+Every timed tract call and every copy baseline starts with this CPU's
+caches swept (`Sweep`): a pool read always comes from memory (another host
+wrote it), so a baseline copying from cache-resident buffers would measure
+the cache, not a transfer.
+
 Servers are started on 127.0.0.1 by this module and stopped after.
 """
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import multiprocessing
 import os
 import socket
@@ -77,6 +85,24 @@ class _Pool:
         Pool.destroy(self.path)
 
 
+class Sweep:
+    """Evicts this CPU's data caches: writes then reads a private buffer of
+    twice the largest cache (at least 64 MiB)."""
+
+    def __init__(self):
+        largest = 0
+        for index in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+            with contextlib.suppress(OSError, ValueError), open(index) as file:
+                text = file.read().strip().upper()
+                scale = {"K": KIB, "M": MIB}.get(text[-1:], 1)
+                largest = max(largest, int(text.rstrip("KM")) * scale)
+        self.buffer = np.empty(max(64 * MIB, 2 * largest), np.uint8)
+
+    def __call__(self) -> None:
+        self.buffer.fill(1)
+        self.buffer.sum(dtype=np.uint64)
+
+
 def _blocks(size: int, count: int, seed: int) -> list[np.ndarray]:
     rng = np.random.default_rng(seed)
     return [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(count)]
@@ -86,7 +112,7 @@ def _gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9
 
 
-def _copies(size: int, count: int, repeats: int, pool) -> dict[str, float]:
+def _copies(size: int, count: int, repeats: int, pool, sweep: Sweep) -> dict[str, float]:
     src, dst = _blocks(size, count, 1), [np.empty(size, np.uint8) for _ in range(count)]
     offsets = np.array([pool.alloc(size) for _ in range(count)], dtype=np.int64)
 
@@ -97,13 +123,15 @@ def _copies(size: int, count: int, repeats: int, pool) -> dict[str, float]:
     def nontemporal():
         pool.region.copy_in_blocks(offsets, src)
 
-    times = median_time({"memcpy": memcpy, "nt": nontemporal}, repeats)
+    times = median_time({"memcpy": memcpy, "nt": nontemporal}, repeats, prepare=sweep)
+    times["memcpy_cached"] = median_time({"memcpy": memcpy}, repeats)["memcpy"]
     for offset in offsets.tolist():
         pool.free(offset)
     return {name: _gbps(size * count, seconds) for name, seconds in times.items()}
 
 
-def _put_get(size: int, count: int, repeats: int, pool, checksum: bool) -> dict[str, float]:
+def _put_get(size: int, count: int, repeats: int, pool, checksum: bool,
+             sweep: Sweep) -> dict[str, float]:
     connector = Connector(pool, layout_of(size), checksum=checksum)
     blocks = _blocks(size, count, 2)
     outs = [np.empty(size, np.uint8) for _ in range(count)]
@@ -111,15 +139,18 @@ def _put_get(size: int, count: int, repeats: int, pool, checksum: bool) -> dict[
     for round_ in range(repeats + 1):
         keys = np.random.default_rng([round_, checksum]).integers(
             0, 2**63, size=(count, 2), dtype=np.uint64)
+        sweep()
         start = time.perf_counter()
         stored = connector.store(keys, blocks)
-        middle = time.perf_counter()
+        put_s = time.perf_counter() - start
+        sweep()
+        start = time.perf_counter()
         loaded = connector.load(keys, outs)
-        end = time.perf_counter()
+        get_s = time.perf_counter() - start
         assert stored == loaded == count, (stored, loaded)
         if round_:  # the first is a warm-up
-            put.append(middle - start)
-            get.append(end - middle)
+            put.append(put_s)
+            get.append(get_s)
         while pool.index.evict(64, window=pool.index.capacity):
             pass
     nbytes = size * count
@@ -140,7 +171,7 @@ def _decode(path: str, size: int, count: int, pipe, checksum: bool) -> None:
             pipe.send((done - started, taken.blocks))
 
 
-def _tract_handoff(path: str, size: int, count: int, repeats: int, pool,
+def _tract_handoff(path: str, size: int, count: int, repeats: int, pool, sweep: Sweep,
                    checksum: bool = True) -> float:
     connector = Connector(pool, layout_of(size), checksum=checksum)
     blocks = _blocks(size, count, 3)
@@ -153,6 +184,7 @@ def _tract_handoff(path: str, size: int, count: int, repeats: int, pool,
         for round_ in range(repeats + 1):
             keys = np.random.default_rng([7, round_]).integers(0, 2**63, size=(count, 2),
                                                                 dtype=np.uint64)
+            sweep()
             started = time.monotonic()
             connector.offer(f"bench-{round_}", keys, blocks)
             ours.send((f"bench-{round_}", started))
@@ -268,6 +300,7 @@ def run(quick: bool = False, peers: bool = True, device: str = "cpu") -> list[Re
     results: list[Result] = []
     notes: list[str] = []
     harness = _Pool(max(size * count for size, count in shapes))
+    sweep = Sweep()
     if device == "cuda":
         try:
             return [result for size, count in shapes
@@ -277,16 +310,18 @@ def run(quick: bool = False, peers: bool = True, device: str = "cpu") -> list[Re
     try:
         for size, count in shapes:
             label = f"{_label(size)}x{count}"
-            copies = _copies(size, count, repeats, harness.pool)
-            checked = _put_get(size, count, repeats, harness.pool, True)
-            plain = _put_get(size, count, repeats, harness.pool, False)
-            handoff = _tract_handoff(harness.path, size, count, repeats, harness.pool)
+            copies = _copies(size, count, repeats, harness.pool, sweep)
+            checked = _put_get(size, count, repeats, harness.pool, True, sweep)
+            plain = _put_get(size, count, repeats, harness.pool, False, sweep)
+            handoff = _tract_handoff(harness.path, size, count, repeats, harness.pool, sweep)
             bound = copies["memcpy"] / 2  # two copies: into the pool and out
             results += [
                 Result(f"transfer[put,{label}]", checked["put"], "GB/s", True, "nt_copy",
                        copies["nt"]),
                 Result(f"transfer[get,{label}]", checked["get"], "GB/s", True, "memcpy",
                        copies["memcpy"]),
+                Result(f"transfer[get,{label}]", checked["get"], "GB/s", True,
+                       "memcpy_cached", copies["memcpy_cached"]),
                 Result(f"transfer[put,no-checksum,{label}]", plain["put"], "GB/s", True,
                        "nt_copy", copies["nt"]),
                 Result(f"transfer[get,no-checksum,{label}]", plain["get"], "GB/s", True,
