@@ -437,21 +437,21 @@ class Index:
         with self.pool.lock("index")(timeout) as lock:
             codes, slots, targets, homes = self._reserve_slots(keys)
             lock.check()  # fencing: still ours before anything is published (R6)
-            taken = codes == FREE
-            written = np.zeros((int(taken.sum()), 8), dtype=np.uint64)
-            written[:, :2] = keys[taken]
-            written[:, 2] = targets[taken, 2] + np.uint64(1)
-            written[:, 3] = np.uint64(WRITING | (self.pool.node + 1) << 8) | \
-                tokens[taken].astype(np.uint64) << np.uint64(40)
-            written[:, 4], written[:, 5] = payloads[taken], sizes[taken]
-            written[:, 6] = self.pool.epoch & 0xFFFFFFFF
-            reaches = self._reach(targets[taken])  # the slots' own, carried over
-            self._raise_reaches(keys[taken], slots[taken], homes[taken], reaches)
-            self._set_reach(written, reaches)
-            self._write(slots[taken], written)
-        entries = np.zeros((keys.shape[0], 8), dtype=np.uint64)
-        entries[taken] = written
-        return Reservations(taken, slots, entries)
+            count = keys.shape[0]
+            rows, reaches = np.empty(count, np.int64), np.empty(count, np.int64)
+            written = np.empty((count, 8), dtype=np.uint64)
+            taken = probe.reserved_entries(
+                keys, codes, targets, payloads, sizes, tokens,
+                np.uint64(WRITING | (self.pool.node + 1) << 8),
+                np.uint64(self.pool.epoch & 0xFFFFFFFF), rows, written, reaches)
+            rows, written, reaches = rows[:taken], written[:taken], reaches[:taken]
+            # reaches: the slots' own, carried over (raised here where a home is among them)
+            self._raise_reaches(keys[rows], slots[rows], homes[rows], reaches)
+            probe.with_reaches(written, reaches)
+            self._write(slots[rows], written)
+        entries = np.zeros((count, 8), dtype=np.uint64)
+        entries[rows] = written
+        return Reservations(codes == FREE, slots, entries)
 
     def _raise_reaches(self, keys, slots, homes, reaches) -> None:
         """Before entries are written at ``slots``, each key's home slot
@@ -548,23 +548,15 @@ class Index:
         which did."""
         slots, expected = reserved.slots[taken], reserved.entries[taken]
         # the lock's acquire fences: the caller's payload flushes complete first (R3)
+        sums = np.zeros(taken.size, np.uint64) if checksums is None else checksums
+        ours = np.empty(taken.size, dtype=np.bool_)
+        done = np.empty((taken.size, 8), dtype=np.uint64)
         with self.pool.lock("index")(timeout) as lock:
-            entries = self._read(self._entries(slots)).copy()
+            entries = self._read(self._entries(slots))
             # as reserved, but for the slot's reach (other keys' reserves raise it)
-            plain = ~_REACH_BITS
-            ours = self._whole(entries) & (entries[:, [0, 1, 2, 4, 5, 6]]
-                                           == expected[:, [0, 1, 2, 4, 5, 6]]).all(axis=1) \
-                & ((entries[:, 3] & plain) == (expected[:, 3] & plain))
+            count = probe.finished(entries, expected, state, sums, ours, done)
             lock.check()
-            done = entries[ours]
-            done[:, 2] += np.uint64(1)
-            if state == READY:
-                self._set_state(done, READY)
-                done[:, 6] = (done[:, 6] & np.uint64(0xFFFFFFFF)) | \
-                    checksums[ours] << np.uint64(32)
-            else:
-                self._tombstone(done)
-            self._write(slots[ours], done)
+            self._write(slots[ours], done[:count])
         return ours
 
     # ---------------------------------------------------------- eviction

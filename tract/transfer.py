@@ -38,7 +38,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from tract._native._region import xxh64
+from tract._native._region import xxh64_rows
 from tract.errors import ConfigError, TractError
 
 __all__ = ["DTYPE_BYTES", "CudaError", "KVLayout", "TransferEngine"]
@@ -134,7 +134,7 @@ class TransferEngine:
 
     # ---------------------------------------------------------- segments
 
-    def _segments(self, offsets, blocks: Sequence) -> tuple[np.ndarray, list[memoryview]]:
+    def _segments(self, offsets, blocks: Sequence) -> tuple[np.ndarray, list]:
         """Every block (one buffer, or its segments in order) as flat byte
         views with the pool offset of each, checked against the layout."""
         if len(blocks) != len(offsets):
@@ -142,6 +142,10 @@ class TransferEngine:
         piece, want = self.layout.piece_bytes, self.layout.block_bytes
         views, where = [], []
         for row, (offset, block) in enumerate(zip(np.asarray(offsets).tolist(), blocks)):
+            if type(block) is np.ndarray and block.nbytes == want and block.flags.c_contiguous:
+                views.append(block)  # the common case: one array per block, taken as is
+                where.append(offset)
+                continue
             segments = block if isinstance(block, (list, tuple)) else [block]
             total = 0
             for segment in segments:
@@ -165,8 +169,8 @@ class TransferEngine:
 
     def _sums(self, digests: np.ndarray) -> np.ndarray:
         """Each block's checksum (u32) from its pieces' digests."""
-        rows = digests.reshape(-1, self.layout.pieces)
-        return np.array([xxh64(row, self.seed) & 0xFFFFFFFF for row in rows], dtype=np.uint64)
+        return xxh64_rows(digests.reshape(-1, self.layout.pieces), self.seed) & \
+            np.uint64(0xFFFFFFFF)
 
     # ------------------------------------------------------------- moves
 

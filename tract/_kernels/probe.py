@@ -33,9 +33,9 @@ from tract._kernels.config import kernel
 
 __all__ = ["BUSY", "CONTINUE", "EMPTY", "EVICTING", "EXISTS", "FREE", "HIT", "MISS", "READY",
            "TOKENS_MAX", "TOMBSTONE", "UNKNOWN", "WRITING", "collect", "empty", "entry_check",
-           "grow_windows", "place", "probe_lookup", "probe_reserve", "raise_reaches", "reach",
-           "reaches", "seal",
-           "validate", "whole"]
+           "finished", "grow_windows", "place", "probe_lookup", "probe_reserve",
+           "raise_reaches", "reach", "reaches", "reserved_entries", "seal", "validate", "whole",
+           "with_reaches"]
 
 EMPTY, WRITING, READY, EVICTING, TOMBSTONE = 0, 1, 2, 3, 4
 # lookup outcomes
@@ -330,3 +330,67 @@ def raise_reaches(keys, slots, homes, mask, reaches, raised_slots, raised_lines)
             raised_lines[row, 3] = (raised_lines[row, 3] & ~U64(UNKNOWN << 24)) \
                 | U64(min(distance, UNKNOWN)) << U64(24)
     return raised
+
+
+_REACH = U64(UNKNOWN) << U64(24)
+
+
+@kernel
+def reserved_entries(keys, codes, targets, payloads, sizes, tokens, word3, epoch, rows,
+                     written, reaches):
+    """The WRITING entries of the keys whose code is FREE, in key order:
+    ``rows`` (which key), ``written`` (their lines: the taken slot's
+    version + 1, ``word3`` | tokens, payload, size, ``epoch``; reach and
+    check word left for `with_reaches`) and ``reaches`` (each taken slot's
+    own, carried over).  Returns how many."""
+    count = 0
+    for k in range(keys.shape[0]):
+        if codes[k] != FREE:
+            continue
+        rows[count] = k
+        reaches[count] = _reach(targets[k])
+        entry = written[count]
+        entry[0], entry[1] = keys[k, 0], keys[k, 1]
+        entry[2] = targets[k, 2] + U64(1)
+        entry[3] = word3 | U64(tokens[k]) << U64(40)
+        entry[4], entry[5], entry[6], entry[7] = payloads[k], U64(sizes[k]), epoch, U64(0)
+        count += 1
+    return count
+
+
+@kernel
+def with_reaches(entries, reaches):
+    """Each row's reach bits set from ``reaches`` (`UNKNOWN` at most)."""
+    for row in range(entries.shape[0]):
+        value = U64(min(reaches[row], UNKNOWN))
+        entries[row, 3] = (entries[row, 3] & ~_REACH) | value << U64(24)
+
+
+@kernel
+def finished(entries, expected, state, checksums, ours, done):
+    """Of the entries read back (``entries``) those still as reserved
+    (``expected``: whole, same words but for the slot's reach, which other
+    keys' reserves raise) are ``ours``; ``done`` gets them moved on, in
+    order: version + 1, then READY with ``checksums`` (u32, word 6's high
+    half), or a tombstone (version and reach kept).  Returns how many."""
+    count = 0
+    for k in range(entries.shape[0]):
+        entry, want = entries[k], expected[k]
+        same = entry[7] == _check(entry) and \
+            (entry[3] & ~_REACH) == (want[3] & ~_REACH)
+        for i in (0, 1, 2, 4, 5, 6):
+            same = same and entry[i] == want[i]
+        ours[k] = same
+        if not same:
+            continue
+        out = done[count]
+        out[:] = entry
+        out[2] += U64(1)
+        if state == READY:
+            out[3] = (out[3] & ~U64(0xFF)) | U64(READY)
+            out[6] = (out[6] & U64(0xFFFFFFFF)) | (checksums[k] & U64(0xFFFFFFFF)) << U64(32)
+        else:
+            out[0] = out[1] = out[4] = out[5] = out[6] = U64(0)
+            out[3] = (out[3] & _REACH) | U64(TOMBSTONE)
+        count += 1
+    return count

@@ -629,6 +629,21 @@ def xxh64(data, uint64_t seed=0):
         PyBuffer_Release(&view)
 
 
+def xxh64_rows(const uint64_t[:, ::1] rows, uint64_t seed=0):
+    """`xxh64` of each row of a C-contiguous (n, k) uint64 array (a block's
+    piece digests: its checksum), as an (n,) uint64 array."""
+    cdef Py_ssize_t i, n = rows.shape[0]
+    cdef size_t width = rows.shape[1] * sizeof(uint64_t)
+    if width == 0:
+        raise ValueError("xxh64_rows needs rows of at least one digest")
+    out = numpy.empty(n, dtype=numpy.uint64)
+    cdef uint64_t[::1] sums = out
+    with nogil:
+        for i in range(n):
+            sums[i] = tract_xxh64(<const char *>&rows[i, 0], width, seed)
+    return out
+
+
 def map_fd(int fd, size_t size, off_t file_offset, str path, str kind, cache_control,
            bint populate=False):
     """Map ``size`` bytes of ``fd`` from ``file_offset`` shared and read-write.
