@@ -7,8 +7,8 @@ request shaped like a 6000-token Llama-3-8B prompt: 750 blocks of 1 MiB):
 - put GB/s (`Connector.store` of absent blocks: reserve, copy, checksum,
   publish) against the non-temporal copy into the pool;
 - get GB/s (`Connector.load`: pin, fresh copy, checksum check, unpin)
-  against numpy memcpy between private buffers (and, for reference, the
-  same memcpy with its source still in this CPU's caches);
+  against numpy memcpy from memory (and, for reference, the same memcpy
+  between private buffers still in this CPU's caches);
 - both again with checksums off;
 - handoff GB/s, prefill process -> decode process: from the moment the
   prefill side starts `offer` to the moment the decode side's `take` has
@@ -18,18 +18,18 @@ request shaped like a 6000-token Llama-3-8B prompt: 750 blocks of 1 MiB):
   (SET/GET), and Mooncake Store (TCP, and its shared-memory path) when they
   can be started here; the report says which could not, and why.
 
-Every timed tract call and every copy baseline starts with this CPU's
-caches swept (`Sweep`): a pool read always comes from memory (another host
-wrote it), so a baseline copying from cache-resident buffers would measure
-the cache, not a transfer.
+The bytes start where a rack puts them: not in this CPU's caches.  The
+memcpy baseline copies from pool ranges dropped from the cache first (a
+pool read always comes from memory: another host wrote it; a copy from
+cache-resident buffers would measure the cache, not a transfer), and the
+ranges the put and the non-temporal copy write are dropped first too (on a
+rack, the hosts that read them last are others).
 
 Servers are started on 127.0.0.1 by this module and stopped after.
 """
 
 from __future__ import annotations
 
-import contextlib
-import glob
 import multiprocessing
 import os
 import socket
@@ -85,25 +85,6 @@ class _Pool:
         Pool.destroy(self.path)
 
 
-class Sweep:
-    """Evicts this CPU's data caches by reading a private buffer of twice
-    the largest cache (at least 64 MiB), written once: the caches are left
-    holding clean lines, so the next timed call pays no write-backs for the
-    sweep."""
-
-    def __init__(self):
-        largest = 0
-        for index in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
-            with contextlib.suppress(OSError, ValueError), open(index) as file:
-                text = file.read().strip().upper()
-                scale = {"K": KIB, "M": MIB}.get(text[-1:], 1)
-                largest = max(largest, int(text.rstrip("KM")) * scale)
-        self.buffer = np.ones(max(64 * MIB, 2 * largest), np.uint8)
-
-    def __call__(self) -> None:
-        self.buffer.sum(dtype=np.uint64)
-
-
 def _blocks(size: int, count: int, seed: int) -> list[np.ndarray]:
     rng = np.random.default_rng(seed)
     return [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(count)]
@@ -113,50 +94,93 @@ def _gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9
 
 
-def _copies(size: int, count: int, repeats: int, pool, sweep: Sweep) -> dict[str, float]:
-    src, dst = _blocks(size, count, 1), [np.empty(size, np.uint8) for _ in range(count)]
-    offsets = np.array([pool.alloc(size) for _ in range(count)], dtype=np.int64)
-
-    def memcpy():
-        for a, b in zip(src, dst):
-            np.copyto(b, a)
-
-    def nontemporal():
-        pool.region.copy_in_blocks(offsets, src)
-
-    times = median_time({"memcpy": memcpy, "nt": nontemporal}, repeats, prepare=sweep)
-    times["memcpy_cached"] = median_time({"memcpy": memcpy}, repeats)["memcpy"]
+def _drop(pool, offsets: np.ndarray, size: int) -> None:
+    """The ranges out of this CPU's caches (untimed)."""
     for offset in offsets.tolist():
-        pool.free(offset)
-    return {name: _gbps(size * count, seconds) for name, seconds in times.items()}
+        pool.region.invalidate(offset, size, payload=True)
+    pool.region.fence()
 
 
-def _put_get(size: int, count: int, repeats: int, pool, checksum: bool,
-             sweep: Sweep) -> dict[str, float]:
-    connector = Connector(pool, layout_of(size), checksum=checksum)
+class _Copies:
+    """The baselines, on ``count`` pool ranges of ``size`` bytes: memcpy
+    from memory (the ranges dropped from the cache first), the
+    non-temporal copy into them (dropped first too), and memcpy between
+    private buffers still in the cache (for reference)."""
+
+    def __init__(self, size: int, count: int, pool):
+        self.pool, self.size = pool, size
+        self.src = _blocks(size, count, 1)
+        self.dst = [np.empty(size, np.uint8) for _ in range(count)]
+        self.offsets = np.array([pool.alloc(size) for _ in range(count)], dtype=np.int64)
+        pool.region.copy_in_blocks(self.offsets, self.src)
+        self.in_pool = [np.frombuffer(pool.region.view(offset, size), np.uint8)
+                        for offset in self.offsets.tolist()]
+
+    def _timed(self, function) -> float:
+        _drop(self.pool, self.offsets, self.size)
+        start = time.perf_counter()
+        function()
+        return time.perf_counter() - start
+
+    def memcpy(self) -> float:
+        return self._timed(lambda: [np.copyto(b, a) for a, b in zip(self.in_pool, self.dst)])
+
+    def nontemporal(self) -> float:
+        return self._timed(lambda: self.pool.region.copy_in_blocks(self.offsets, self.src))
+
+    def cached(self) -> float:
+        start = time.perf_counter()
+        for a, b in zip(self.src, self.dst):
+            np.copyto(b, a)
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        self.in_pool.clear()
+        for offset in self.offsets.tolist():
+            self.pool.free(offset)
+
+
+def _drop(pool, offsets: np.ndarray, size: int) -> None:
+    """The ranges out of this CPU's caches (untimed)."""
+    for offset in offsets.tolist():
+        pool.region.invalidate(offset, size, payload=True)
+    pool.region.fence()
+
+
+def _put_get(size: int, count: int, repeats: int, pool) -> dict[str, float]:
+    """put and get with and without checksums, and the baselines, measured
+    round by round in turn (a noisy neighbour hurts them alike)."""
+    connectors = {True: Connector(pool, layout_of(size), checksum=True),
+                  False: Connector(pool, layout_of(size), checksum=False)}
+    copies = _Copies(size, count, pool)
     blocks = _blocks(size, count, 2)
     outs = [np.empty(size, np.uint8) for _ in range(count)]
-    put, get = [], []
+    samples: dict[str, list[float]] = {}
     for round_ in range(repeats + 1):
-        keys = np.random.default_rng([round_, checksum]).integers(
-            0, 2**63, size=(count, 2), dtype=np.uint64)
-        sweep()
-        start = time.perf_counter()
-        stored = connector.store(keys, blocks)
-        put_s = time.perf_counter() - start
-        sweep()
-        start = time.perf_counter()
-        loaded = connector.load(keys, outs)
-        get_s = time.perf_counter() - start
-        assert stored == loaded == count, (stored, loaded)
+        times = {"nt": copies.nontemporal(), "memcpy": copies.memcpy(),
+                 "memcpy_cached": copies.cached()}
+        for checksum, connector in connectors.items():
+            keys = np.random.default_rng([round_, checksum]).integers(
+                0, 2**63, size=(count, 2), dtype=np.uint64)
+            start = time.perf_counter()
+            stored = connector.store(keys, blocks)
+            middle = time.perf_counter()
+            loaded = connector.load(keys, outs)
+            end = time.perf_counter()
+            assert stored == loaded == count, (stored, loaded)
+            suffix = "" if checksum else "_plain"
+            times["put" + suffix], times["get" + suffix] = middle - start, end - middle
+            hits = pool.index.pin(keys)  # as if read last by another host
+            _drop(pool, hits.offsets, size)
+            pool.index.unpin(hits)
+            while pool.index.evict(64, window=pool.index.capacity):
+                pass
         if round_:  # the first is a warm-up
-            put.append(put_s)
-            get.append(get_s)
-        while pool.index.evict(64, window=pool.index.capacity):
-            pass
-    nbytes = size * count
-    return {"put": _gbps(nbytes, statistics.median(put)),
-            "get": _gbps(nbytes, statistics.median(get))}
+            for name, seconds in times.items():
+                samples.setdefault(name, []).append(seconds)
+    copies.close()
+    return {name: _gbps(size * count, statistics.median(values))
+            for name, values in samples.items()}
 
 
 # ---------------------------------------------------------------- handoff
@@ -172,7 +196,7 @@ def _decode(path: str, size: int, count: int, pipe, checksum: bool) -> None:
             pipe.send((done - started, taken.blocks))
 
 
-def _tract_handoff(path: str, size: int, count: int, repeats: int, pool, sweep: Sweep,
+def _tract_handoff(path: str, size: int, count: int, repeats: int, pool,
                    checksum: bool = True) -> float:
     connector = Connector(pool, layout_of(size), checksum=checksum)
     blocks = _blocks(size, count, 3)
@@ -185,7 +209,6 @@ def _tract_handoff(path: str, size: int, count: int, repeats: int, pool, sweep: 
         for round_ in range(repeats + 1):
             keys = np.random.default_rng([7, round_]).integers(0, 2**63, size=(count, 2),
                                                                 dtype=np.uint64)
-            sweep()
             started = time.monotonic()
             connector.offer(f"bench-{round_}", keys, blocks)
             ours.send((f"bench-{round_}", started))
@@ -301,7 +324,6 @@ def run(quick: bool = False, peers: bool = True, device: str = "cpu") -> list[Re
     results: list[Result] = []
     notes: list[str] = []
     harness = _Pool(max(size * count for size, count in shapes))
-    sweep = Sweep()
     if device == "cuda":
         try:
             return [result for size, count in shapes
@@ -311,22 +333,20 @@ def run(quick: bool = False, peers: bool = True, device: str = "cpu") -> list[Re
     try:
         for size, count in shapes:
             label = f"{_label(size)}x{count}"
-            copies = _copies(size, count, repeats, harness.pool, sweep)
-            checked = _put_get(size, count, repeats, harness.pool, True, sweep)
-            plain = _put_get(size, count, repeats, harness.pool, False, sweep)
-            handoff = _tract_handoff(harness.path, size, count, repeats, harness.pool, sweep)
-            bound = copies["memcpy"] / 2  # two copies: into the pool and out
+            rates = _put_get(size, count, repeats, harness.pool)
+            handoff = _tract_handoff(harness.path, size, count, repeats, harness.pool)
+            bound = rates["memcpy"] / 2  # two copies: into the pool and out
             results += [
-                Result(f"transfer[put,{label}]", checked["put"], "GB/s", True, "nt_copy",
-                       copies["nt"]),
-                Result(f"transfer[get,{label}]", checked["get"], "GB/s", True, "memcpy",
-                       copies["memcpy"]),
-                Result(f"transfer[get,{label}]", checked["get"], "GB/s", True,
-                       "memcpy_cached", copies["memcpy_cached"]),
-                Result(f"transfer[put,no-checksum,{label}]", plain["put"], "GB/s", True,
-                       "nt_copy", copies["nt"]),
-                Result(f"transfer[get,no-checksum,{label}]", plain["get"], "GB/s", True,
-                       "memcpy", copies["memcpy"]),
+                Result(f"transfer[put,{label}]", rates["put"], "GB/s", True, "nt_copy",
+                       rates["nt"]),
+                Result(f"transfer[get,{label}]", rates["get"], "GB/s", True, "memcpy",
+                       rates["memcpy"]),
+                Result(f"transfer[get,{label}]", rates["get"], "GB/s", True,
+                       "memcpy_cached", rates["memcpy_cached"]),
+                Result(f"transfer[put,no-checksum,{label}]", rates["put_plain"], "GB/s", True,
+                       "nt_copy", rates["nt"]),
+                Result(f"transfer[get,no-checksum,{label}]", rates["get_plain"], "GB/s", True,
+                       "memcpy", rates["memcpy"]),
                 Result(f"transfer[handoff,{label}]", handoff, "GB/s", True,
                        "two_copy_memcpy", bound),
             ]
