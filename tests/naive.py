@@ -223,3 +223,43 @@ def raise_reaches(keys, slots, homes, mask, reaches):
         elif reach(home_line) != UNKNOWN and distance > reach(home_line):
             raised[home] = max(raised.get(home, 0), distance)
     return reaches, raised
+
+
+_REACH_BITS = 0xFFFF << 24
+
+
+def reserved_entries(keys, codes, targets, payloads, sizes, tokens, word3, epoch):
+    """[(key row, words 0..6 of its WRITING entry, its slot's reach)] of
+    the keys whose code is FREE."""
+    out = []
+    for k, code in enumerate(codes):
+        if code != FREE:
+            continue
+        words = [int(keys[k][0]), int(keys[k][1]), (int(targets[k][2]) + 1) & _M64,
+                 word3 | int(tokens[k]) << 40, int(payloads[k]), int(sizes[k]), epoch]
+        out.append((k, words, reach(targets[k])))
+    return out
+
+
+def finished(entries, expected, state, checksums):
+    """(ours, words 0..6 of each moved on): an entry is ours when whole and
+    equal to the expected one but for the reach bits; it moves on to READY
+    (checksum in word 6's high half) or to a tombstone (version and reach
+    kept), its version + 1."""
+    ours, done = [], []
+    for entry, want, checksum in zip(entries, expected, checksums):
+        e, x = [int(word) for word in entry], [int(word) for word in want]
+        same = e[7] == entry_check(e) and all(e[i] == x[i] for i in (0, 1, 2, 4, 5, 6)) \
+            and e[3] & ~_REACH_BITS == x[3] & ~_REACH_BITS
+        ours.append(same)
+        if not same:
+            continue
+        e[2] = (e[2] + 1) & _M64
+        if state == READY:
+            e[3] = (e[3] & ~0xFF) | READY
+            e[6] = (e[6] & 0xFFFFFFFF) | (int(checksum) & 0xFFFFFFFF) << 32
+        else:
+            e[0] = e[1] = e[4] = e[5] = e[6] = 0
+            e[3] = (e[3] & _REACH_BITS) | TOMBSTONE
+        done.append(e[:7])
+    return ours, done

@@ -192,3 +192,58 @@ def test_publish_and_eviction_churn_keeps_chains_short(indexes):
     fast.evict(0, window=fast.capacity)
     table = _table(fast)
     assert [naive.reach(entry) for entry in table] == _farthest(table, fast.mask)
+
+
+def test_entry_building_kernels_match_their_twins():
+    """`reserved_entries`, `with_reaches` and `finished`: the entries a
+    reserve writes and a publish or abort moves on, against the twins."""
+    rng = random.Random(11)
+    for _ in range(300):
+        count = rng.randint(1, 8)
+        keys = np.array([(rng.getrandbits(64), rng.getrandbits(64)) for _ in range(count)],
+                        dtype=np.uint64)
+        codes = np.array([rng.choice([probe.FREE, probe.EXISTS]) for _ in range(count)])
+        targets = np.zeros((count, 8), dtype=np.uint64)
+        for line in targets:  # never used, a whole old entry with a reach, or torn
+            if rng.random() < 0.7:
+                line[2], line[3] = rng.randrange(9), probe.TOMBSTONE | rng.randrange(40) << 24
+                line[7] = naive.entry_check(line)
+                if rng.random() < 0.2:
+                    line[7] ^= np.uint64(1)
+        payloads = np.array([rng.getrandbits(40) for _ in range(count)], dtype=np.uint64)
+        sizes = np.array([rng.randrange(1, 1 << 30) for _ in range(count)], dtype=np.int64)
+        tokens = np.array([rng.randrange(probe.TOKENS_MAX + 1) for _ in range(count)])
+        word3, epoch = probe.WRITING | rng.randrange(1, 9) << 8, rng.getrandbits(32)
+        rows, reaches = np.empty(count, np.int64), np.empty(count, np.int64)
+        written = np.empty((count, 8), dtype=np.uint64)
+        taken = probe.reserved_entries(keys, codes, targets, payloads, sizes, tokens,
+                                       np.uint64(word3), np.uint64(epoch), rows, written,
+                                       reaches)
+        want = naive.reserved_entries(keys, codes, targets, payloads, sizes, tokens, word3,
+                                      epoch)
+        assert [(int(r), [int(w) for w in line[:7]], int(reach)) for r, line, reach
+                in zip(rows[:taken], written[:taken], reaches[:taken])] == want
+        # the reaches a reserve settles on, then sealed: what publish expects
+        reaches = np.array([rng.choice([0, 5, naive.UNKNOWN, 70000]) for _ in range(taken)])
+        written = written[:taken]
+        probe.with_reaches(written, reaches)
+        assert [(int(line[3]) >> 24) & 0xFFFF for line in written] == \
+            [min(int(reach), naive.UNKNOWN) for reach in reaches]
+        probe.seal(written)
+        found = written.copy()  # read back: as reserved, a raised reach, changed, or torn
+        for line in found:
+            change = rng.randrange(4)
+            if change == 1:
+                line[3] = (line[3] & ~np.uint64(0xFFFF << 24)) | np.uint64(rng.randrange(99) << 24)
+                line[7] = naive.entry_check(line)
+            elif change == 2:
+                line[rng.choice([0, 1, 2, 3, 4, 5, 6])] ^= np.uint64(1 << rng.randrange(40))
+                line[7] = naive.entry_check(line)
+            elif change == 3:
+                line[7] ^= np.uint64(1)
+        for state in (probe.READY, probe.TOMBSTONE):
+            sums = np.array([rng.getrandbits(64) for _ in range(taken)], dtype=np.uint64)
+            ours, done = np.empty(taken, np.bool_), np.empty((taken, 8), np.uint64)
+            moved = probe.finished(found, written, state, sums, ours, done)
+            assert (ours.tolist(), [[int(w) for w in line[:7]] for line in done[:moved]]) == \
+                naive.finished(found, written, state, sums)

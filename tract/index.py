@@ -38,8 +38,8 @@ Protocols (every step batched: one fence per batch of lines):
   the reader's side and mark-then-check-pins on the evictor's cannot both
   pass, provided each side drops the lines it checks only after its own
   write is in memory (a line dropped earlier may be refilled by a prefetch
-  before the other side's write lands).  Pins of a node whose lease lapsed are ignored (R6); a node's new
-  incarnation starts with its pins cleared.
+  before the other side's write lands).  Pins of a node whose lease lapsed
+  are ignored (R6); a node's new incarnation starts with its pins cleared.
 
 Rules relied on (DESIGN.md): R2 — entries are written only under the lock,
 pin words only by their node; R3, R4 as above; R5 — entries carry a check
