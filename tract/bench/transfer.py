@@ -23,7 +23,9 @@ memcpy baseline copies from pool ranges dropped from the cache first (a
 pool read always comes from memory: another host wrote it; a copy from
 cache-resident buffers would measure the cache, not a transfer), and the
 ranges the put and the non-temporal copy write are dropped first too (on a
-rack, the hosts that read them last are others).
+rack, the hosts that read them last are others).  The baselines and
+tract's calls are measured in turn, round by round, so a noisy neighbour
+hurts them alike.
 
 Servers are started on 127.0.0.1 by this module and stopped after.
 """
