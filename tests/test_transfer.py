@@ -6,7 +6,7 @@ block is split, fresh reads (R4), and bad input."""
 import numpy as np
 import pytest
 
-from tract._native._region import digest, xxh64
+from tract._native._region import digest, xxh64, xxh64_rows
 from tract.errors import BoundsError, ConfigError
 from tract.pool import Pool
 from tract.transfer import DTYPE_BYTES, KVLayout, TransferEngine
@@ -158,4 +158,28 @@ def test_bad_blocks_are_refused_before_a_byte_moves(pool):
     out = np.zeros(layout.block_bytes, np.uint8)
     with pytest.raises(BufferError, match="writable"):
         engine.load([offset], [bytes(layout.block_bytes)])
+    out.flags.writeable = False  # a whole one-array block, refused all the same
+    with pytest.raises((BufferError, ValueError), match="writable|read-only"):
+        engine.load([offset], [out])
     assert not out.any()
+
+
+def test_block_checksums_are_xxh64_of_piece_digests():
+    rng = np.random.default_rng(4)
+    rows = rng.integers(0, 2**64, size=(5, 6), dtype=np.uint64)
+    assert xxh64_rows(rows, 99).tolist() == [xxh64(row, 99) for row in rows]
+    with pytest.raises(ValueError, match="at least one digest"):
+        xxh64_rows(np.zeros((2, 0), np.uint64))
+
+
+def test_bench_transfer_reports_every_figure_against_its_baseline():
+    from tract.bench import transfer as bench
+
+    results = bench.run(quick=True, peers=False)
+    by_name = {(r.name, r.baseline): r for r in results}
+    for label in ("256KiBx16", "2MiBx8", "16MiBx2"):
+        for kind, baseline in [("put", "nt_copy"), ("get", "memcpy"), ("get", "memcpy_cached"),
+                               ("put,no-checksum", "nt_copy"), ("get,no-checksum", "memcpy"),
+                               ("handoff", "two_copy_memcpy"), ("handoff", "tcp_loopback")]:
+            result = by_name[(f"transfer[{kind},{label}]", baseline)]
+            assert result.value > 0 and result.ratio is not None and result.ratio > 0
