@@ -407,13 +407,21 @@ class Index:
         """WRITING entries and payloads of ``sizes`` bytes for ``keys``
         (none where the key is already present or being written)."""
         keys = _keys(keys)
-        sizes = np.broadcast_to(np.asarray(sizes, dtype=np.int64), keys.shape[:1])
-        tokens = np.broadcast_to(np.asarray(tokens, dtype=np.int64), keys.shape[:1])
-        if (sizes <= 0).any() or (tokens < 0).any() or (tokens > TOKENS_MAX).any():
-            raise ValueError(f"sizes must be positive and tokens in 0..{TOKENS_MAX}")
+        count = keys.shape[0]
+        if isinstance(sizes, int) and isinstance(tokens, int):  # one size and count for all
+            if sizes <= 0 or not 0 <= tokens <= TOKENS_MAX:
+                raise ValueError(f"sizes must be positive and tokens in 0..{TOKENS_MAX}")
+            each = [sizes] * count
+            sizes, tokens = np.full(count, sizes, np.int64), np.full(count, tokens, np.int64)
+        else:
+            sizes = np.broadcast_to(np.asarray(sizes, dtype=np.int64), (count,))
+            tokens = np.broadcast_to(np.asarray(tokens, dtype=np.int64), (count,))
+            if (sizes <= 0).any() or (tokens < 0).any() or (tokens > TOKENS_MAX).any():
+                raise ValueError(f"sizes must be positive and tokens in 0..{TOKENS_MAX}")
+            each = sizes.tolist()
         payloads = []
         try:
-            for size in sizes.tolist():
+            for size in each:
                 payloads.append(self._alloc(size, timeout))
         except BaseException:
             for offset in payloads:
@@ -429,8 +437,9 @@ class Index:
                     for offset in payloads.tolist():
                         self.pool.free(offset)
                     raise PoolFull(str(full)) from None
-        for offset in payloads[~reserved.taken].tolist():
-            self.pool.free(offset)
+        if not reserved.taken.all():
+            for offset in payloads[~reserved.taken].tolist():
+                self.pool.free(offset)
         return reserved
 
     def _reserve_locked(self, keys, payloads, sizes, tokens, timeout) -> Reservations:
@@ -528,8 +537,9 @@ class Index:
         self.region.store_u32s(words + 4, self.stamp())
         self.region.flush_lines(words & ~(LINE - 1))
         ours = self._finish(reserved, taken, READY, sums, timeout)
-        for offset in reserved.offsets[taken[~ours]].tolist():
-            self.pool.free(offset)
+        if not ours.all():
+            for offset in reserved.offsets[taken[~ours]].tolist():
+                self.pool.free(offset)
         published[taken] = ours
         return published.tolist()
 

@@ -453,6 +453,7 @@ class LockManager:
         self.locks = locks
         self.manager_epoch = 0
         self.active = False
+        self.deferred = False  # another process of this node manages
         self._grants: list[_Granting] = []
         self._next = [0] * locks  # round-robin position per lock
         self._election = BakeryLock(space, space.layout.election, "<manager election>")
@@ -584,6 +585,7 @@ class LockManager:
             if not self._local_held:
                 taken = self.local.try_acquire()
                 if taken is None:
+                    self.deferred = True
                     return False  # another process of this node manages
                 if taken:  # that process died: its grants are re-taken below
                     self.local.consistent()

@@ -44,7 +44,8 @@ from tract._native._nodeheap import NodeHeap, heap_bytes
 from tract.alloc import AllocLayout, Allocator, pid_alive
 from tract.errors import ConfigError, CorruptionError, TractError
 from tract.lease import ALIVE, LINE, Clock, NodeTable
-from tract.lock import COHORT_PASSES, LOCK_MODES, Lock, LockLayout, LockManager, LockSpace
+from tract.lock import (COHORT_PASSES, LOCK_MODES, Lock, LockLayout, LockManager, LockSpace,
+                        _read_manager)
 from tract.index import Index
 from tract.objects import RECORD_BYTES, ObjectStore
 from tract.region import create_region, is_dax_path, open_region
@@ -290,7 +291,9 @@ class Pool:
         if heartbeat:
             self._start(self._beat, "heartbeat")
         if manager:
-            self._start(lambda: self.manager().run(self._stop), "lock-manager")
+            lock_manager = self.manager()
+            self._start(lambda: lock_manager.run(self._stop), "lock-manager")
+            self._await_take_over(lock_manager)
 
     # --------------------------------------------------------- lifecycle
 
@@ -461,6 +464,21 @@ class Pool:
                     if words[0] and seen.get(index) == words:
                         self._fast_path(index).sweep()
                     seen[index] = words
+
+    def _await_take_over(self, lock_manager: LockManager) -> None:
+        """When the manager line names this node, the manager it names is a
+        former incarnation's (or another process's of this one): wait, a
+        lease at most, until this process's manager has taken over or
+        stands by, so that no lock of this incarnation starts on a sticky
+        grant its predecessor left (the take-over revokes those, and the
+        holder's next `check` would fail)."""
+        deadline = self.clock.now() + self.header.lease_timeout
+        while not (lock_manager.active or lock_manager.deferred) and \
+                self.clock.now() < deadline:
+            self.space.fresh(self.layout.manager_line)
+            if _read_manager(self.space)[0] != self.node:
+                return
+            time.sleep(1e-3)
 
     def manager(self) -> LockManager:
         """A lock manager for this node (run it with ``.run(stop_event)``)."""
