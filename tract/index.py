@@ -67,7 +67,6 @@ ENTRY_BYTES = 64
 STAMP_HZ = 4  # access stamps: quarter seconds of wall time since 2020
 _STAMP_EPOCH = 1_577_836_800
 _PIN_MAX = 0xFFFFFFFF
-_REACH_BITS = np.uint64(UNKNOWN << 24)
 EVICT_RUN = 16  # eviction samples runs of this many slots
 
 
@@ -235,12 +234,11 @@ class Index:
         """Tombstones in place: the version and the slot's reach kept, key
         and payload gone."""
         entries[:, [0, 1, 4, 5, 6]] = 0
-        entries[:, 3] = (entries[:, 3] & _REACH_BITS) | np.uint64(TOMBSTONE)
+        entries[:, 3] = (entries[:, 3] & probe.REACH_BITS) | np.uint64(TOMBSTONE)
 
     @staticmethod
-    def _set_reach(entries: np.ndarray, reaches: np.ndarray) -> None:
-        entries[:, 3] = (entries[:, 3] & ~_REACH_BITS) | \
-            np.minimum(reaches, UNKNOWN).astype(np.uint64) << np.uint64(24)
+    def _set_reach(entries: np.ndarray, reaches) -> None:
+        probe.with_reaches(entries, np.ascontiguousarray(reaches, dtype=np.int64))
 
     @staticmethod
     def _reach(entries: np.ndarray) -> np.ndarray:
@@ -557,10 +555,10 @@ class Index:
         (WRITING by this node at their version) become ``state``; returns
         which did."""
         slots, expected = reserved.slots[taken], reserved.entries[taken]
-        # the lock's acquire fences: the caller's payload flushes complete first (R3)
         sums = np.zeros(taken.size, np.uint64) if checksums is None else checksums
         ours = np.empty(taken.size, dtype=np.bool_)
         done = np.empty((taken.size, 8), dtype=np.uint64)
+        # the lock's acquire fences: the caller's payload flushes complete first (R3)
         with self.pool.lock("index")(timeout) as lock:
             entries = self._read(self._entries(slots))
             # as reserved, but for the slot's reach (other keys' reserves raise it)

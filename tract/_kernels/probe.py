@@ -32,8 +32,8 @@ import numpy as np
 from tract._kernels.config import kernel
 
 __all__ = ["BUSY", "CONTINUE", "EMPTY", "EVICTING", "EXISTS", "FREE", "HIT", "MISS", "READY",
-           "TOKENS_MAX", "TOMBSTONE", "UNKNOWN", "WRITING", "collect", "empty", "entry_check",
-           "finished", "grow_windows", "place", "probe_lookup", "probe_reserve",
+           "REACH_BITS", "TOKENS_MAX", "TOMBSTONE", "UNKNOWN", "WRITING", "collect", "empty",
+           "entry_check", "finished", "grow_windows", "place", "probe_lookup", "probe_reserve",
            "raise_reaches", "reach", "reaches", "reserved_entries", "seal", "validate", "whole",
            "with_reaches"]
 
@@ -46,6 +46,7 @@ FREE, EXISTS = 4, 5
 U64 = np.uint64
 UNKNOWN = 0xFFFF  # reach not known: probe until an empty slot
 TOKENS_MAX = (1 << 24) - 1
+REACH_BITS = U64(UNKNOWN) << U64(24)  # word 3's reach field
 
 
 @kernel(inline="always")
@@ -327,12 +328,9 @@ def raise_reaches(keys, slots, homes, mask, reaches, raised_slots, raised_lines)
             raised_slots[row] = home
             raised_lines[row] = homes[k]
         if distance > np.int64((raised_lines[row, 3] >> U64(24)) & U64(0xFFFF)):
-            raised_lines[row, 3] = (raised_lines[row, 3] & ~U64(UNKNOWN << 24)) \
+            raised_lines[row, 3] = (raised_lines[row, 3] & ~REACH_BITS) \
                 | U64(min(distance, UNKNOWN)) << U64(24)
     return raised
-
-
-_REACH = U64(UNKNOWN) << U64(24)
 
 
 @kernel
@@ -363,7 +361,7 @@ def with_reaches(entries, reaches):
     """Each row's reach bits set from ``reaches`` (`UNKNOWN` at most)."""
     for row in range(entries.shape[0]):
         value = U64(min(reaches[row], UNKNOWN))
-        entries[row, 3] = (entries[row, 3] & ~_REACH) | value << U64(24)
+        entries[row, 3] = (entries[row, 3] & ~REACH_BITS) | value << U64(24)
 
 
 @kernel
@@ -377,7 +375,7 @@ def finished(entries, expected, state, checksums, ours, done):
     for k in range(entries.shape[0]):
         entry, want = entries[k], expected[k]
         same = entry[7] == _check(entry) and \
-            (entry[3] & ~_REACH) == (want[3] & ~_REACH)
+            (entry[3] & ~REACH_BITS) == (want[3] & ~REACH_BITS)
         for i in (0, 1, 2, 4, 5, 6):
             same = same and entry[i] == want[i]
         ours[k] = same
@@ -391,6 +389,6 @@ def finished(entries, expected, state, checksums, ours, done):
             out[6] = (out[6] & U64(0xFFFFFFFF)) | (checksums[k] & U64(0xFFFFFFFF)) << U64(32)
         else:
             out[0] = out[1] = out[4] = out[5] = out[6] = U64(0)
-            out[3] = (out[3] & _REACH) | U64(TOMBSTONE)
+            out[3] = (out[3] & REACH_BITS) | U64(TOMBSTONE)
         count += 1
     return count
