@@ -143,13 +143,6 @@ class _Copies:
             self.pool.free(offset)
 
 
-def _drop(pool, offsets: np.ndarray, size: int) -> None:
-    """The ranges out of this CPU's caches (untimed)."""
-    for offset in offsets.tolist():
-        pool.region.invalidate(offset, size, payload=True)
-    pool.region.fence()
-
-
 def _put_get(size: int, count: int, repeats: int, pool) -> dict[str, float]:
     """put and get with and without checksums, and the baselines, measured
     round by round in turn (a noisy neighbour hurts them alike)."""
