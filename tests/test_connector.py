@@ -10,11 +10,13 @@ import time
 import numpy as np
 import pytest
 
-from tract.connector import Connector
+from tract.connector import Connector, Taken
 from tract.fsck import fsck
 from tract.pool import Pool, format_pool
 from tract.testing.incoherent import SimPool, SimulationFailure
 from tract.transfer import KVLayout
+
+from simnodes import heartbeat
 
 LAYOUT = KVLayout(model="tiny-llama", dtype="float16", num_layers=2, num_kv_heads=2,
                   head_size=16, block_size=4)
@@ -138,54 +140,129 @@ def test_many_processes_on_many_nodes(pool, pool_path):
     assert fsck(pool_path, watch=False)["ok"]
 
 
-def _prefill(path, tokens, request_id, ttl):
+def _prefill(path, tokens, request_id, ttl, pipe):
     with Pool.open(path, 1) as pool:
         connector = Connector(pool, LAYOUT)
-        offered = connector.offer(request_id, tokens, _kv(tokens), ttl=ttl)
-        assert offered == tokens.size // LAYOUT.block_size
+        ticket = connector.offer(request_id, tokens, _kv(tokens), ttl=ttl)
+        assert len(connector.offers[request_id].hits) == tokens.size // LAYOUT.block_size
+        pipe.send(ticket)
         deadline = time.monotonic() + 20
         while connector.offers and time.monotonic() < deadline:
             connector.release()
             time.sleep(0.01)
         assert not connector.offers
+        pipe.send(dict(connector.stats))
+        pipe.recv()  # hold the records until the test is done with them
+
+
+def _offered(pool_path, tokens, request_id, ttl):
+    context = multiprocessing.get_context("fork")
+    ours, theirs = context.Pipe()
+    producer = context.Process(target=_prefill, args=(pool_path, tokens, request_id, ttl, theirs))
+    producer.start()
+    assert ours.poll(30)
+    return producer, ours, ours.recv()
+
+
+def _evict_all(pool):
+    evicted = 0
+    while (count := pool.index.evict(16, window=256)):
+        evicted += count
+    return evicted
 
 
 def test_handoff_between_processes_and_nodes(pool, pool_path):
     tokens = _tokens(4, 8)
-    context = multiprocessing.get_context("fork")
-    producer = context.Process(target=_prefill, args=(pool_path, tokens, "req-1", 30.0))
-    producer.start()
+    producer, pipe, ticket = _offered(pool_path, tokens, "req-1", 30.0)
     consumer = Connector(pool, LAYOUT)
-    deadline, taken = time.monotonic() + 20, None
-    while time.monotonic() < deadline:
-        out = _empty(8)
-        taken = consumer.take("req-1", out)
-        if taken.offered:
-            break
-        time.sleep(0.01)
+    out = _empty(8)
+    taken = consumer.take(ticket, out)
     assert taken.blocks == taken.offered == 8
     assert all((a == b).all() for a, b in zip(out, _kv(tokens)))
+    assert pipe.poll(30)
+    stats = pipe.recv()  # the producer saw the record taken and dropped its pins
+    assert stats["offers"] == 1 and stats["expired"] == 0
+    assert _evict_all(pool) == 8
+    pipe.send(None)
     producer.join(30)
     assert producer.exitcode == 0
-    assert not [r for r in pool.objects.list() if r.name.startswith("handoff/")]
-    # the producer released its pins: every block can be evicted now
-    evicted = 0
-    while (count := pool.index.evict(16, window=256)):
-        evicted += count
-    assert evicted == 8
 
 
 def test_an_offer_nobody_takes_expires(pool, pool_path):
     tokens = _tokens(5, 3)
-    context = multiprocessing.get_context("fork")
-    producer = context.Process(target=_prefill, args=(pool_path, tokens, "req-2", 0.2))
-    producer.start()
+    producer, pipe, ticket = _offered(pool_path, tokens, "req-2", 0.2)
+    assert pipe.poll(30)
+    assert pipe.recv()["expired"] == 1
+    consumer = Connector(pool, LAYOUT)
+    assert consumer.take(ticket, _empty(3)) == Taken(0, 0)  # expired: nothing to take
+    assert consumer.lookup(tokens) == 3 * LAYOUT.block_size  # the blocks stay cached
+    assert _evict_all(pool) == 3  # and unpinned
+    pipe.send(None)
     producer.join(30)
     assert producer.exitcode == 0
-    consumer = Connector(pool, LAYOUT)
-    assert consumer.take("req-2", _empty(3)).offered == 0  # expired: nothing to take
-    assert consumer.lookup(tokens) == 3 * LAYOUT.block_size  # the blocks stay cached
-    assert not [r for r in pool.objects.list() if r.name.startswith("handoff/")]
+
+
+def test_a_ticket_is_taken_only_as_offered(pool):
+    producer, consumer = Connector(pool, LAYOUT), Connector(pool, LAYOUT)
+    tokens = _tokens(6, 4)
+    ticket = producer.offer("req-3", tokens, _kv(tokens))
+    offset, nonce = ticket[len("tract:"):].split(".")
+    for bad in ["req-3", "tract:12.34", ticket + "0", None]:
+        with pytest.raises(ValueError, match="not a handoff ticket"):
+            consumer.take(bad, _empty(4))
+    low, high = pool.index.heap
+    for offset_ in (low - 64, high, int(offset, 16) + 8):
+        with pytest.raises(ValueError, match="not a line inside the heap"):
+            consumer.take(f"tract:{offset_:x}.{nonce}", _empty(4))
+    # another nonce, or a record whose keys changed, is no offer
+    forged = (int(nonce, 16) ^ 2).to_bytes(8, "big").hex()
+    assert consumer.take(f"tract:{offset}.{forged}", _empty(4)) == Taken(0, 0)
+    record = producer.offers["req-3"].record
+    key = pool.region.load_u64(record + 128)
+    pool.region.store_u64(record + 128, key ^ 1)
+    assert consumer.take(ticket, _empty(4)) == Taken(0, 0)
+    pool.region.store_u64(record + 128, key)
+    assert producer.release() == 0  # nothing taken so far
+    # fewer blocks than offered: those are loaded, and the offer is taken
+    out = _empty(2)
+    assert consumer.take(ticket, out) == Taken(2, 4)
+    assert all((a == b).all() for a, b in zip(out, _kv(tokens)))
+    assert producer.release() == 1 and not producer.offers
+    assert _evict_all(pool) == 4
+
+
+def test_a_cancelled_offer_or_a_dead_producer_is_not_taken(pool, pool_path):
+    producer, consumer = Connector(pool, LAYOUT), Connector(pool, LAYOUT)
+    tokens = _tokens(7, 2)
+    ticket = producer.offer("req-4", tokens, _kv(tokens))
+    producer.cancel("req-4")
+    assert consumer.take(ticket, _empty(2)) == Taken(0, 0)
+    assert _evict_all(pool) == 2
+    # a producer whose node is gone: its blocks load, but no mark is written
+    tokens = _tokens(8, 2)
+    other, pipe, ticket = _offered(pool_path, tokens, "req-5", 30.0)
+    record = int(ticket[len("tract:"):].split(".")[0], 16)
+    os.kill(other.pid, 9)
+    other.join(30)
+    heartbeat, epoch, _ = pool.nodes.read(1)
+    consumer.pool.space.liveness._seen[1] = (heartbeat, epoch, -1e9)  # standing still for long
+    out = _empty(2)
+    assert consumer.take(ticket, out) == Taken(2, 2)
+    assert pool.region.load_u64(record + 64) == 0
+
+
+def test_records_are_freed_a_lease_after_their_deadline(pool):
+    connector = Connector(pool, LAYOUT)
+    tokens = _tokens(9, 2)
+    connector.offer("req-6", tokens, _kv(tokens), ttl=0.05)
+    record = connector.offers["req-6"].record
+    time.sleep(0.06)
+    assert connector.release() == 1 and connector._retired
+    time.sleep(pool.header.lease_timeout)
+    connector.release()
+    assert not connector._retired
+    assert pool.alloc(100) == record  # the record's memory is free again
+    connector.close()
 
 
 def test_cancel_and_close_release_every_pin(pool):
@@ -198,25 +275,25 @@ def test_cancel_and_close_release_every_pin(pool):
     connector.cancel("r0")
     connector.close()
     assert not connector.offers
-    evicted = 0
-    while (count := pool.index.evict(16, window=256)):
-        evicted += count
-    assert evicted == 6
+    assert _evict_all(pool) == 6
 
 
 # ----------------------------------------------------------- simulator runs
 
 SEEDS = int(os.environ.get("TRACT_SIM_SEEDS", "200"))
 SIM_LEASE = 0.004
+TTL = 20 * SIM_LEASE  # ample for a take, even in a chaotic schedule
 SIM_LAYOUT = KVLayout(model="tiny", dtype="uint8", num_layers=2, num_kv_heads=1, head_size=64,
                       block_size=2)
 
 
-def run_handoffs(seed, rounds=3, chaos=0.5):
+def run_handoffs(seed, rounds=3, chaos=0.5, cancel=False):
     """Host 0 (prefill) offers requests one after another, host 1 (decode)
     takes each: every take gets exactly that request's blocks, though each
     record's memory is reused by the next request's (a stale copy of it
-    would name the previous request's blocks)."""
+    would name the previous request's blocks), and the producer sees each
+    offer taken (none expires).  With ``cancel``, the producer withdraws
+    every offer before the decode side takes it: no take loads anything."""
     pool = SimPool(256 * 1024, hosts=2, seed=seed, chaos=chaos, max_steps=2_000_000)
     format_pool(pool.hosts[0], max_nodes=2, locks=("alloc", "objects", "index"), max_locks=3,
                 chunk_size=8192, max_objects=8, index_capacity=32, lock_mode="bakery",
@@ -228,37 +305,49 @@ def run_handoffs(seed, rounds=3, chaos=0.5):
     requests = [rng.integers(0, 2**63, size=(2, 2), dtype=np.uint64) for _ in range(rounds)]
     payloads = [[rng.integers(0, 256, SIM_LAYOUT.block_bytes, dtype=np.uint8) for _ in keys]
                 for keys in requests]
-    offered, taken = [False] * rounds, []
+    tickets, taken = [None] * rounds, []
+    handles, finished = {}, {0: False}
 
     def connector(host, node):
-        handle = Pool(host, node, clock=pool.clock, heartbeat=False, local_locks=False)
-        return Connector(handle, SIM_LAYOUT, handoff_ttl=1e6, timeout=100 * SIM_LEASE)
+        handle = handles[node] = Pool(host, node, clock=pool.clock, heartbeat=False,
+                                      local_locks=False)
+        return Connector(handle, SIM_LAYOUT, handoff_ttl=TTL, timeout=100 * SIM_LEASE)
 
     def prefill(host):
         kv = connector(host, 0)
         for i, (keys, blocks) in enumerate(zip(requests, payloads)):
-            while i and len(taken) < i:  # one request in flight: its record's memory is reused
+            while kv.offers or kv._retired:  # one request in flight: its record's memory
+                kv.release()                 # is freed, and reused by the next one's
                 pool.clock.sleep(SIM_LEASE / 10)
-            kv.offer(f"req-{i}", keys, blocks)
-            offered[i] = True
-        while kv.offers:
-            kv.release()
-            pool.clock.sleep(SIM_LEASE / 10)
+            ticket = kv.offer(f"req-{i}", keys, blocks)
+            if cancel:
+                kv.cancel(f"req-{i}")
+            tickets[i] = ticket
+            if not cancel:  # the mark is in memory once `take` returned: seen at once
+                while len(taken) <= i:
+                    pool.clock.sleep(SIM_LEASE / 10)
+                if kv.release() != 1:
+                    raise SimulationFailure(f"request {i}: taken, but its mark unseen", seed)
+        finished[0] = True
 
     def decode(host):
         kv = connector(host, 1)
         for i in range(rounds):
-            while not offered[i]:
+            while tickets[i] is None:
                 pool.clock.sleep(SIM_LEASE / 10)
             outs = [np.zeros(SIM_LAYOUT.block_bytes, np.uint8) for _ in payloads[i]]
-            got = kv.take(f"req-{i}", outs)
-            if got.offered != len(outs) or got.blocks != len(outs) or \
+            got = kv.take(tickets[i], outs)
+            if cancel:
+                if got.offered:
+                    raise SimulationFailure(f"request {i}: took {got} of a withdrawn offer", seed)
+            elif got.offered != len(outs) or got.blocks != len(outs) or \
                     any((a != b).any() for a, b in zip(outs, payloads[i])):
                 raise SimulationFailure(f"request {i}: took {got}, bytes "
                                         f"{'right' if got.blocks else 'missing'}", seed)
             taken.append(i)
 
-    pool.run(prefill, decode)
+    # the producer's heartbeat: a decode side marks the offers of a live node only
+    pool.run((0, prefill), (1, decode), (0, heartbeat(pool, handles, finished, 0, SIM_LEASE / 4)))
     return len(taken)
 
 
@@ -266,3 +355,9 @@ def run_handoffs(seed, rounds=3, chaos=0.5):
 def test_handoffs_between_hosts_deliver_each_request_whole():
     assert sum(run_handoffs(seed) for seed in range(max(1, SEEDS // 4))) == \
         3 * max(1, SEEDS // 4)
+
+
+@pytest.mark.sim
+def test_a_withdrawn_offer_is_taken_by_no_host():
+    assert sum(run_handoffs(seed, cancel=True) for seed in range(max(1, SEEDS // 8))) == \
+        3 * max(1, SEEDS // 8)

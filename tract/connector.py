@@ -1,41 +1,46 @@
 """The engine-agnostic connector: a rack-wide prefix cache and P/D handoff
-over one pool, for one engine worker process (the vLLM and SGLang adapters
-only translate to it).
-
-Prefix cache
-    `lookup` (tokens or block hashes) says how many leading tokens the pool
-    holds; `load` pins the leading hits, copies them into the engine's
-    blocks and unpins; `store` reserves the absent blocks, copies them and
-    publishes them.  A block that is evicted, being written, written by a
-    writer that died, or whose checksum fails is a miss: the counts returned
-    are of leading good blocks, so the engine recomputes from the first bad
-    one.
-
-P/D handoff
-    The prefill side `offer`s a request: its blocks are stored, then pinned
-    by the prefill node and named in the object store
-    (``handoff/<digest of the request id>``: the keys and a deadline).  The
-    decode side `take`s it: pins, loads, unpins, and deletes the record.
-    The prefill side's `release` (called by the cache operations every
-    `RELEASE_EVERY` seconds, and by the engine when it likes) drops the pins
-    of taken, expired or cancelled offers, so a decode worker that never comes costs pins for
-    one TTL only, and one that dies costs nothing more: pins of a dead node
-    do not count (R6).
+    The prefill side `offer`s a request: its blocks are stored and pinned by
+    the prefill node, and a *handoff record* (the keys, a deadline, a random
+    nonce, a check word) is written to memory the prefill process allocates;
+    `offer` returns a *ticket* (the record's offset and nonce, a short
+    string) for the engine to pass to the decode side with the request
+    (vLLM: ``kv_transfer_params``).  The decode side `take`s it: reads and
+    checks the record, pins the blocks (its own pins), marks the record
+    taken, loads and unpins.  No lock and no shared directory is involved:
+    one writer per line (the producer writes the record, decoders only its
+    *taken* line).  The prefill side's `release` (called by the cache
+    operations every `RELEASE_EVERY` seconds, and by the engine when it
+    likes) drops the pins of taken or expired offers; a record's memory is
+    freed a lease after its deadline, since a decoder marks it taken only
+    before the deadline.  A decode worker that never comes costs pins for
+    one TTL; a prefill worker that dies costs nothing more: pins of a dead
+    node do not count (R6), and its records go with its memory.
 
 Rules relied on: those of `tract.index` (pins, R3/R4 ordering of payloads
 and entries) and `tract.transfer` (payloads in memory before publish;
-checksums); records of the object store are whole or absent.
+checksums); for handoff records: R2 (the producer writes the record, a
+decoder only its taken line), R3 (the record is in memory before `offer`
+returns its ticket; the taken mark is flushed and fenced), R4 (a decoder
+reads the record fresh, and the producer the taken line), R5 (a ticket's
+offset is checked against the heap, the record's count against its range,
+and the whole record against its check word: a stale or reused record is a
+miss), R6 (a decoder writes its mark only while the producer node is live
+in the record's epoch and the deadline has not passed; the memory is freed
+a lease after the deadline).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
+import heapq
+import os
+import re
 import struct
 from collections.abc import Sequence
 
 import numpy as np
 
+from tract._native._region import xxh64
 from tract.hashing import BlockHasher
 from tract.index import Hits
 from tract.transfer import KVLayout, TransferEngine
@@ -43,8 +48,14 @@ from tract.transfer import KVLayout, TransferEngine
 __all__ = ["RELEASE_EVERY", "Connector", "Offer", "Taken"]
 
 RELEASE_EVERY = 0.01  # seconds between the cache calls' checks of this process's offers
-_RECORD = struct.Struct("<8sQdI")  # magic, producer node, deadline (wall s), key count
-_MAGIC = b"tractHO1"
+LINE = 64
+# a handoff record: the head line, the taken line (decoders write it), then the keys
+_HEAD = struct.Struct("<8sQQQdQQ")  # magic, nonce, producer node, its epoch, deadline, count, check
+_CHECKED = 48  # head bytes under the check word (all but the check itself)
+_TAKEN_AT, _KEYS_AT = LINE, 2 * LINE
+_MAGIC = b"tractHO2"
+_TAKEN = 0x7A6B_656E_7461_6B65  # the taken word: nonce ^ this
+_TICKET = re.compile(r"tract:([0-9a-f]{1,16})\.([0-9a-f]{16})")
 
 
 @dataclasses.dataclass
@@ -52,10 +63,11 @@ class Offer:
     """A request's blocks, pinned by the prefill node for the decode side."""
 
     request_id: str
-    name: str
+    ticket: str
     hits: Hits
     deadline: float
     record: int  # pool offset of the handoff record
+    nonce: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,9 +79,13 @@ class Taken:
     offered: int
 
 
-def _handoff_name(request_id: str) -> str:
-    digest = hashlib.blake2b(request_id.encode(), digest_size=16).hexdigest()
-    return f"handoff/{digest}"
+def _ticket(ticket: str) -> tuple[int, int]:
+    """(record offset, nonce) of a ticket `Connector.offer` returned."""
+    match = _TICKET.fullmatch(ticket) if isinstance(ticket, str) else None
+    if match is None:
+        raise ValueError(f"{ticket!r} is not a handoff ticket (tract:<offset hex>.<nonce hex>, "
+                         f"as Connector.offer returns)")
+    return int(match[1], 16), int(match[2], 16)
 
 
 class Connector:
@@ -84,6 +100,7 @@ class Connector:
                                   namespace=layout.namespace(), salt=salt)
         self.ttl, self.timeout = handoff_ttl, timeout
         self.offers: dict[str, Offer] = {}
+        self._retired: list[tuple[float, int]] = []  # (free at, record offset) heap
         self._released = float("-inf")
         self.stats = dict.fromkeys(["lookups", "hit_blocks", "loaded_blocks", "stored_blocks",
                                     "checksum_failures", "offers", "taken", "expired"], 0)
@@ -161,102 +178,151 @@ class Connector:
     # ---------------------------------------------------------- handoff
 
     def offer(self, request_id: str, tokens_or_hashes, blocks: Sequence,
-              ttl: float | None = None) -> int:
-        """Prefill side: store a request's blocks, pin them for the decode
-        side for ``ttl`` seconds, and name them in the object store.
-        Returns how many leading blocks are offered."""
+              ttl: float | None = None) -> str:
+        """Prefill side: store a request's blocks and pin them for the
+        decode side for ``ttl`` seconds.  Returns the ticket to pass to the
+        decode side's `take` (the offer's leading blocks:
+        ``len(offers[request_id].hits)``)."""
         if request_id in self.offers:
             raise ValueError(f"request {request_id!r} is already offered")
         keys = self.keys(tokens_or_hashes)[:len(blocks)]
         self.store(keys, blocks)
-        name = _handoff_name(request_id)
         hits = self.index.pin(keys)
         deadline = self.pool.clock.wall() + (self.ttl if ttl is None else ttl)
-        body = _RECORD.pack(_MAGIC, self.pool.node, deadline, len(hits)) + \
-            np.ascontiguousarray(hits.entries[:, :2]).tobytes()
+        nonce = int.from_bytes(os.urandom(8), "little") | 1
+        chosen = np.ascontiguousarray(hits.entries[:, :2]).tobytes()
+        head = _HEAD.pack(_MAGIC, nonce, self.pool.node, self.pool.epoch, deadline, len(hits), 0)
+        check = xxh64(head[:_CHECKED] + chosen, nonce)
+        body = head[:_CHECKED] + struct.pack("<Q", check) + bytes(_KEYS_AT - _HEAD.size) + chosen
         try:
             record = self.pool.alloc(len(body), self.timeout)
             try:
-                self.pool.region.copy_in(record, body)
-                self.pool.objects.put(name, record, len(body), timeout=self.timeout)
+                self.pool.region.copy_in(record, body)  # in memory on return (R3)
             except BaseException:
                 self.pool.free(record)
                 raise
         except BaseException:
             self.index.unpin(hits)
             raise
-        self.offers[request_id] = Offer(request_id, name, hits, deadline, record)
+        ticket = f"tract:{record:x}.{nonce:016x}"
+        self.offers[request_id] = Offer(request_id, ticket, hits, deadline, record, nonce)
         self.stats["offers"] += 1
-        return len(hits)
+        return ticket
 
-    def take(self, request_id: str, blocks: Sequence) -> Taken:
-        """Decode side: load an offered request's blocks into ``blocks``,
-        then end the offer.  No offer (never made, expired, its producer
-        gone) loads nothing: the engine recomputes."""
-        name = _handoff_name(request_id)
-        record = self.pool.objects.get(name)
+    def take(self, ticket: str, blocks: Sequence) -> Taken:
+        """Decode side: load an offer's blocks into ``blocks`` and mark the
+        offer taken.  An offer that is gone (expired, cancelled, its
+        producer dead, its record reused) loads nothing: the engine
+        recomputes."""
+        offset, nonce = _ticket(ticket)
+        low, high = self.index.heap
+        if offset % LINE or not low <= offset <= high - _KEYS_AT:
+            raise ValueError(f"handoff ticket {ticket!r} names offset {offset}, which is not a "
+                             f"line inside the heap [{low}, {high})")
+        record = self._record(offset, nonce, high)
         if record is None:
             return Taken(0, 0)
-        self.pool.region.invalidate(record.offset, record.size, payload=True)
-        self.pool.region.fence()  # the record, fresh (R4)
-        data = self.pool.region.read(record.offset, record.size)
-        if len(data) < _RECORD.size or data[:8] != _MAGIC:
-            return Taken(0, 0)
-        _, _, deadline, count = _RECORD.unpack_from(data)
-        if _RECORD.size + count * 16 != len(data) or deadline < self.pool.clock.wall():
-            return Taken(0, 0)
-        keys = np.frombuffer(data, dtype=np.uint64, offset=_RECORD.size).reshape(count, 2)
-        loaded = self.load(keys, blocks)
-        self._end(name)
-        self.stats["taken"] += 1
-        return Taken(loaded, count)
-
-    def _end(self, name: str) -> None:
-        """Delete a handoff record and free it; whoever deletes it (the
-        taker, or the offerer at its deadline) frees it, once."""
+        node, epoch, deadline, keys = record
+        hits = self.index.pin(keys[:len(blocks)])
         try:
-            record = self.pool.objects.delete(name, timeout=self.timeout)
-        except KeyError:
-            return  # the other side ended it
-        self.pool.free(record.offset, self.timeout)
+            loaded = self._load_hits(hits, blocks)
+            self._mark_taken(offset, nonce, node, epoch, deadline)
+        finally:
+            self.index.unpin(hits)
+        self.stats["taken"] += 1
+        return Taken(loaded, keys.shape[0])
+
+    def _record(self, offset: int, nonce: int, high: int):
+        """(producer node, epoch, deadline, keys) of the live handoff record
+        at ``offset`` with ``nonce``, read fresh (R4) and checked (R5); None
+        when there is none (expired, withdrawn, or the memory reused)."""
+        region = self.pool.region
+        region.invalidate(offset, LINE, payload=True)
+        region.fence()
+        head = region.read(offset, _HEAD.size)
+        magic, found, node, epoch, deadline, count, check = _HEAD.unpack(head)
+        if magic != _MAGIC or found != nonce or node >= self.pool.header.max_nodes or \
+                count > (high - offset - _KEYS_AT) // 16 or deadline < self.pool.clock.wall():
+            return None
+        region.invalidate(offset + _KEYS_AT, count * 16, payload=True)
+        region.fence()
+        chosen = region.read(offset + _KEYS_AT, count * 16)
+        if xxh64(head[:_CHECKED] + chosen, nonce) != check:
+            return None
+        return node, epoch, deadline, np.frombuffer(chosen, np.uint64).reshape(count, 2)
+
+    def _mark_taken(self, offset: int, nonce: int, node: int, epoch: int,
+                    deadline: float) -> None:
+        """Write the record's taken line while its producer (node, epoch)
+        is live and the deadline is ahead: the producer frees a record no
+        sooner than a lease past its deadline, and a dead node's memory only
+        once its lease lapsed (R6), so the mark never lands in reused
+        memory."""
+        if self.pool.nodes.read(node)[1] != epoch or not self.pool.space.liveness.live(node) \
+                or self.pool.clock.wall() >= deadline:
+            return
+        self.pool.region.store_u64(offset + _TAKEN_AT, nonce ^ _TAKEN)
+        self.pool.region.flush(offset + _TAKEN_AT, LINE)
+        self.pool.region.fence()  # in memory when `take` returns (R3)
+
+    def _taken(self, offer: Offer) -> bool:
+        region = self.pool.region
+        region.invalidate(offer.record + _TAKEN_AT, LINE, payload=True)
+        region.fence()
+        return region.load_u64(offer.record + _TAKEN_AT) == offer.nonce ^ _TAKEN
+
+    def _retire(self, offer: Offer) -> None:
+        """Drop an offer's pins; its record is freed a lease after its
+        deadline (`_mark_taken`)."""
+        self.index.unpin(offer.hits)
+        free_at = offer.deadline + self.pool.header.lease_timeout
+        heapq.heappush(self._retired, (free_at, offer.record))
+
+    def _free_retired(self, now: float) -> None:
+        while self._retired and self._retired[0][0] <= now:
+            self.pool.free(heapq.heappop(self._retired)[1], self.timeout)
 
     def _release_now_and_then(self) -> None:
         """`release`, from the cache calls, at most every `RELEASE_EVERY`
-        seconds (it reads each offer's record)."""
+        seconds (it reads each offer's taken line)."""
         now = self.pool.clock.now()
-        if self.offers and now - self._released >= RELEASE_EVERY:
+        if (self.offers or self._retired) and now - self._released >= RELEASE_EVERY:
             self._released = now
             self.release()
 
     def release(self) -> int:
-        """Prefill side: drop the pins of offers that were taken, expired
-        or whose record is gone; returns how many."""
-        if not self.offers:
-            return 0
+        """Prefill side: drop the pins of offers that were taken or
+        expired, and free the records whose time has come; returns how
+        many offers ended."""
         now, done = self.pool.clock.wall(), []
         for request_id, offer in self.offers.items():
-            record = self.pool.objects.get(offer.name)
-            if record is None or record.offset != offer.record:
-                done.append(request_id)  # taken: the consumer deleted the record
+            if self._taken(offer):
+                done.append(request_id)
             elif offer.deadline < now:
-                self._end(offer.name)
                 self.stats["expired"] += 1
                 done.append(request_id)
         for request_id in done:
-            self.index.unpin(self.offers.pop(request_id).hits)
+            self._retire(self.offers.pop(request_id))
+        self._free_retired(now)
         return len(done)
 
     def cancel(self, request_id: str) -> None:
-        """Prefill side: withdraw an offer (the request was aborted)."""
+        """Prefill side: withdraw an offer (the request was aborted): its
+        record no longer reads as an offer, and its pins go."""
         offer = self.offers.pop(request_id, None)
         if offer is None:
             return
-        self._end(offer.name)
-        self.index.unpin(offer.hits)
+        region = self.pool.region
+        region.store_u64(offer.record, 0)  # the magic: a decoder finds no offer
+        region.flush(offer.record, LINE)
+        region.fence()
+        self._retire(offer)
 
     def close(self) -> None:
-        """Withdraw every offer and release the transfer engine."""
+        """Withdraw every offer, free the records whose time has come (the
+        others go with this process's memory) and release the transfer
+        engine."""
         for request_id in list(self.offers):
             self.cancel(request_id)
+        self._free_retired(self.pool.clock.wall())
         self.transfer.close()
-

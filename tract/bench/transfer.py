@@ -186,8 +186,8 @@ def _decode(path: str, size: int, count: int, pipe, checksum: bool) -> None:
         connector = Connector(pool, layout_of(size), checksum=checksum)
         outs = [np.empty(size, np.uint8) for _ in range(count)]
         while (message := pipe.recv()) is not None:
-            request_id, started = message
-            taken = connector.take(request_id, outs)
+            ticket, started = message
+            taken = connector.take(ticket, outs)
             done = time.monotonic()
             pipe.send((done - started, taken.blocks))
 
@@ -210,8 +210,8 @@ def _tract_handoff(path: str, size: int, count: int, repeats: int, pool,
                                                                 dtype=np.uint64)
             bound = 2 * copies.memcpy()
             started = time.monotonic()
-            connector.offer(f"bench-{round_}", keys, blocks)
-            ours.send((f"bench-{round_}", started))
+            ticket = connector.offer(f"bench-{round_}", keys, blocks)
+            ours.send((ticket, started))
             elapsed, loaded = ours.recv()
             assert loaded == count, loaded
             if round_:
