@@ -338,6 +338,41 @@ def test_sizes_alignment_and_classes(pool_path):
         assert report["ok"] and report["chunks"]["free"] == pool.header.nchunks
 
 
+def test_alloc_many_gives_what_as_many_allocs_would(pool_path):
+    """A batch of slab blocks (across slabs, and past the last free one, when
+    a slab is added) or of chunk runs: distinct, aligned, in the heap, all
+    given back by `free`; a batch that cannot be had whole gives back what
+    it took."""
+    _create(pool_path, size=4 << 20)
+    with Pool.open(pool_path, 0, manager=True) as pool:
+        chunk = pool.header.chunk_size
+        per_slab = chunk // 8192
+        assert pool.alloc_many(5000, 0) == []
+        with pytest.raises(ValueError, match="must not be negative"):
+            pool.alloc_many(5000, -1)
+        with pytest.raises(ValueError, match="must be positive"):
+            pool.alloc_many(0, 2)
+        first = pool.alloc(5000)  # a slab with per_slab - 1 blocks left
+        batches = [pool.alloc_many(5000, 3 * per_slab), pool.alloc_many(chunk + 1, 2)]
+        spans = [(first, 8192)] + [(o, 8192) for o in batches[0]] + \
+            [(o, 2 * chunk) for o in batches[1]]
+        assert len(spans) == 1 + 3 * per_slab + 2
+        spans.sort()
+        for (a, size), (b, _) in zip(spans, spans[1:]):
+            assert a + size <= b, "allocations overlap"
+        assert all(o % 8192 == 0 and pool.header.heap <= o < pool.header.heap_end
+                   for o in batches[0])
+        free_before = fsck(pool_path, watch=False)["chunks"]["free"]
+        with pytest.raises(PoolFull):
+            pool.alloc_many(chunk, pool.header.nchunks)
+        assert fsck(pool_path, watch=False)["chunks"]["free"] == free_before
+        for offset in [first] + batches[0] + batches[1]:
+            pool.free(offset)
+        pool.allocator.trim()
+        report = fsck(pool_path, watch=False)
+        assert report["ok"] and report["chunks"]["free"] == pool.header.nchunks
+
+
 def test_bad_frees_are_refused_and_lose_nothing(pool_path):
     _create(pool_path)
     with Pool.open(pool_path, 0, manager=True) as pool:

@@ -493,6 +493,24 @@ class Allocator:
                 raise
             return self.offset_of(self.alloc_chunks(count, HEAD, timeout))
 
+    def alloc_many(self, size: int, count: int, timeout: float | None = None) -> list[int]:
+        """Pool offsets of ``count`` allocations of ``size`` bytes (slab
+        blocks taken under one hold of the node heap's mutex)."""
+        if count < 0:
+            raise ValueError(f"allocation count must not be negative, got {count}")
+        offsets: list[int] = []
+        if self.heap is not None and 0 < size <= self.heap.max_size and count > 0:
+            out = np.empty(count, dtype=np.int64)
+            offsets = out[:self.heap.alloc_many(size, out)].tolist()
+        try:
+            while len(offsets) < count:
+                offsets.append(self.alloc(size, timeout))
+        except BaseException:
+            for offset in offsets:
+                self.free(offset)
+            raise
+        return offsets
+
     def free(self, offset: int, timeout: float | None = None) -> None:
         """Give back what `alloc` returned, from any node."""
         chunk = self.chunk_of(offset)

@@ -409,17 +409,22 @@ class Index:
         if isinstance(sizes, int) and isinstance(tokens, int):  # one size and count for all
             if sizes <= 0 or not 0 <= tokens <= TOKENS_MAX:
                 raise ValueError(f"sizes must be positive and tokens in 0..{TOKENS_MAX}")
-            each = [sizes] * count
+            each, uniform = [sizes] * count, sizes
             sizes, tokens = np.full(count, sizes, np.int64), np.full(count, tokens, np.int64)
         else:
             sizes = np.broadcast_to(np.asarray(sizes, dtype=np.int64), (count,))
             tokens = np.broadcast_to(np.asarray(tokens, dtype=np.int64), (count,))
             if (sizes <= 0).any() or (tokens < 0).any() or (tokens > TOKENS_MAX).any():
                 raise ValueError(f"sizes must be positive and tokens in 0..{TOKENS_MAX}")
-            each = sizes.tolist()
+            each, uniform = sizes.tolist(), None
         payloads = []
         try:
-            for size in each:
+            if uniform is not None:
+                try:
+                    payloads = self.pool.alloc_many(uniform, count, timeout)
+                except PoolFull:  # make room below, one at a time
+                    pass
+            for size in each[len(payloads):]:
                 payloads.append(self._alloc(size, timeout))
         except BaseException:
             for offset in payloads:

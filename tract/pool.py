@@ -429,6 +429,11 @@ class Pool:
         """Pool offset of ``size`` fresh bytes (`tract.alloc.Allocator.alloc`)."""
         return self.allocator.alloc(size, timeout)
 
+    def alloc_many(self, size: int, count: int, timeout: float | None = None) -> list[int]:
+        """Offsets of ``count`` allocations of ``size`` bytes
+        (`tract.alloc.Allocator.alloc_many`)."""
+        return self.allocator.alloc_many(size, count, timeout)
+
     def free(self, offset: int, timeout: float | None = None) -> None:
         """Give back what `alloc` returned, from any node."""
         self.allocator.free(offset, timeout)

@@ -218,6 +218,39 @@ cdef class NodeHeap:
         self._unlock()
         return result
 
+    def alloc_many(self, int64_t size, int64_t[::1] out):
+        """Fill ``out`` with pool offsets of free blocks of ``size``'s class,
+        given to this process, under one hold of the mutex; returns how many
+        (fewer than ``len(out)`` when the class's slabs ran out: the caller
+        adds one with `add_slab` for the rest)."""
+        cdef char *base = self._base()
+        cls, _ = self.size_class(size)
+        cdef uint32_t *record
+        cdef uint32_t chunk, block, head, blocks = self._blocks(cls)
+        cdef int64_t filled = 0, before, step = self.min_block << cls
+        self._lock(base)
+        while filled < out.shape[0]:
+            head = self._head(base, cls)[0]
+            if not head:
+                break
+            chunk = head - 1
+            record = self._record(base, chunk)
+            before = filled
+            for block in range(blocks):
+                if record[4 + block] == 0:
+                    record[4 + block] = self.pid
+                    record[1] -= 1
+                    out[filled] = self.heap_base + <int64_t>chunk * self.chunk_size + block * step
+                    filled += 1
+                    if record[1] == 0 or filled == out.shape[0]:
+                        break
+            if record[1] == 0:
+                self._unlink(base, chunk)
+            elif filled == before:  # a count the blocks belie: left to `alloc` to judge
+                break
+        self._unlock()
+        return filled
+
     def add_slab(self, uint32_t chunk, int64_t size):
         """Make ``chunk`` (just taken from the global bitmap) a slab of
         ``size``'s class."""
