@@ -65,10 +65,11 @@ def _server(command: list[str], ports, what: str):
             process.wait()
 
 
-def _handoff(produce, consume, repeats: int, nbytes: int) -> float:
+def _handoff(produce, consume, repeats: int, nbytes: int, clear=None) -> float:
     """GB/s of a handoff: ``produce(round)`` in this process, then
     ``consume(round)`` in a child told by a pipe; timed from the producer's
-    start to the consumer's end (one monotonic clock)."""
+    start to the consumer's end (one monotonic clock).  ``clear(round)``,
+    untimed, drops the round's keys (as tract's bench evicts its blocks)."""
     context = multiprocessing.get_context("fork")
     ours, theirs = context.Pipe()
 
@@ -94,6 +95,8 @@ def _handoff(produce, consume, repeats: int, nbytes: int) -> float:
                 raise Unavailable(f"consumer failed: {elapsed}")
             if round_:
                 times.append(elapsed)
+            if clear is not None:
+                clear(round_)
     finally:
         ours.send(None)
         process.join(30)
@@ -126,10 +129,13 @@ def redis_handoff(size: int, count: int, repeats: int) -> float:
                 [f"r{round_}:{i}" for i in range(count)])
             assert all(len(value) == size for value in got)
 
-        return _handoff(produce, consume, repeats, size * count)
+        return _handoff(produce, consume, repeats, size * count,
+                        lambda round_: client.delete(*[f"r{round_}:{i}" for i in range(count)]))
 
 
 # --------------------------------------------------------------- Mooncake
+
+SEGMENT_MAX = (2 << 30) - (1 << 20)  # with a larger segment every put fails (-200, no space)
 
 def _mooncake_store(master: int, metadata: int, segment: int):
     from mooncake.store import MooncakeDistributedStore
@@ -156,6 +162,13 @@ def _put(store, keys: list[str], base: int, size: int) -> None:
                           f"keys (codes {sorted(set(failed))[:3]})")
 
 
+def _remove(store, keys: list[str]) -> None:
+    failed = [code for code in store.batch_remove(keys, True) if code != 0]
+    if failed:
+        raise Unavailable(f"mooncake: batch_remove failed for {len(failed)} of {len(keys)} "
+                          f"keys (codes {sorted(set(failed))[:3]})")
+
+
 def _get(store, keys: list[str], base: int, size: int) -> None:
     """`batch_get_into` consecutive ``size``-byte buffers from ``base``."""
     got = store.batch_get_into(keys, [base + i * size for i in range(len(keys))],
@@ -178,7 +191,7 @@ def mooncake_tcp_handoff(size: int, count: int, repeats: int) -> float:
     command = ["mooncake_master", "--rpc_address=127.0.0.1", f"--rpc_port={master}",
                "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
                f"--http_metadata_server_port={metadata}"]
-    segment = max(512 << 20, 4 * size * count)
+    segment = min(max(512 << 20, 4 * size * count), SEGMENT_MAX)
     with _server(command, [master, metadata], "mooncake_master"):
         source = np.random.default_rng(5).integers(0, 256, size * count, dtype=np.uint8)
         address = source.ctypes.data
@@ -199,7 +212,8 @@ def mooncake_tcp_handoff(size: int, count: int, repeats: int) -> float:
             _get(state["store"], _keys("r", round_, count), state["out"].ctypes.data, size)
 
         try:
-            return _handoff(produce, consume, repeats, size * count)
+            return _handoff(produce, consume, repeats, size * count,
+                            lambda round_: _remove(mine["store"], _keys("r", round_, count)))
         finally:
             with contextlib.suppress(Exception):
                 mine["store"].close()
@@ -216,7 +230,7 @@ def mooncake_shm_handoff(size: int, count: int, repeats: int) -> float:
         raise Unavailable(f"mooncake: mooncake-transfer-engine-non-cuda is not installed "
                           f"({error})") from None
     master, metadata, client = _free_port(), _free_port(), _free_port()
-    segment = max(1 << 30, 4 * size * count)
+    segment = min(max(1 << 30, 4 * size * count), SEGMENT_MAX)
     master_command = ["mooncake_master", "--rpc_address=127.0.0.1", f"--rpc_port={master}",
                       "--enable_http_metadata_server=true",
                       "--http_metadata_server_host=127.0.0.1",
@@ -256,7 +270,8 @@ def mooncake_shm_handoff(size: int, count: int, repeats: int) -> float:
             _get(state["store"], _keys("s", round_, count), state["out"], size)
 
         try:
-            return _handoff(produce, consume, repeats, size * count)
+            return _handoff(produce, consume, repeats, size * count,
+                            lambda round_: _remove(mine["store"], _keys("s", round_, count)))
         finally:
             with contextlib.suppress(Exception):
                 mine["store"].close()
