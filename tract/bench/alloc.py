@@ -4,8 +4,10 @@ Alloc + free of 4 KiB and 64 KiB objects (the node-heap path: a slab block,
 no pool metadata touched) and of 2 MiB and 16 MiB objects (the global path:
 the ``alloc`` lock, the bitmap scan, owner records), each against the store
 + flush + fence round trip measured in the same run (ratio = round trip /
-value, so 1/3 means three round trips).  The lock manager runs in another
-process, as `tract manager` would.
+value, so 1/3 means three round trips); and `alloc_many` of a batch of
+``BATCH`` node-heap objects (what an index reserve takes), per object,
+against as many `alloc` calls.  The lock manager runs in another process,
+as `tract manager` would.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from tract.region import scratch_region
 
 SIZES = {"4KiB": 4 << 10, "64KiB": 64 << 10, "2MiB": 2 << 20, "16MiB": 16 << 20}
 NODE_HEAP_MAX = 1 << 20  # half the default 2 MiB chunk: the largest slab object
+BATCH = 16
 
 
 def path_of(size: int) -> str:
@@ -41,6 +44,15 @@ class Harness:
 
     def alloc_free(self, size: int) -> None:
         self.pool.free(self.pool.alloc(size))
+
+    def batch_free(self, size: int, together: bool) -> None:
+        """``BATCH`` objects by one `alloc_many` (``together``) or by as
+        many `alloc` calls, then freed."""
+        pool = self.pool
+        offsets = pool.alloc_many(size, BATCH) if together else \
+            [pool.alloc(size) for _ in range(BATCH)]
+        for offset in offsets:
+            pool.free(offset)
 
     def close(self) -> None:
         self.pool.close()
@@ -71,6 +83,13 @@ def run(quick: bool = False) -> list[Result]:
             value = _best_ns(lambda: harness.alloc_free(size), rounds)
             results.append(Result(f"alloc_free[{label},{path_of(size)}]", value, "ns", False,
                                   "store_flush_fence", round_trip))
+        rounds = 200 if quick else 2000
+        for label in ("4KiB", "64KiB"):
+            size = SIZES[label]
+            one_by_one = _best_ns(lambda: harness.batch_free(size, False), rounds) / BATCH
+            value = _best_ns(lambda: harness.batch_free(size, True), rounds) / BATCH
+            results.append(Result(f"alloc_many[{label}x{BATCH},node-heap]", value, "ns/object",
+                                  False, "alloc_one_by_one", one_by_one))
     finally:
         harness.close()
     return results
