@@ -1,12 +1,25 @@
 """The engine-agnostic connector: a rack-wide prefix cache and P/D handoff
+over one pool, for one engine worker process (the vLLM and SGLang adapters
+only translate to it).
+
+Prefix cache
+    `lookup` (tokens or block hashes) says how many leading tokens the pool
+    holds; `load` pins the leading hits, copies them into the engine's
+    blocks and unpins; `store` reserves the absent blocks, copies them and
+    publishes them.  A block that is evicted, being written, written by a
+    writer that died, or whose checksum fails is a miss: the counts returned
+    are of leading good blocks, so the engine recomputes from the first bad
+    one.
+
+P/D handoff
     The prefill side `offer`s a request: its blocks are stored and pinned by
     the prefill node, and a *handoff record* (the keys, a deadline, a random
     nonce, a check word) is written to memory the prefill process allocates;
     `offer` returns a *ticket* (the record's offset and nonce, a short
     string) for the engine to pass to the decode side with the request
     (vLLM: ``kv_transfer_params``).  The decode side `take`s it: reads and
-    checks the record, pins the blocks (its own pins), marks the record
-    taken, loads and unpins.  No lock and no shared directory is involved:
+    checks the record, pins the blocks (its own pins), loads them, marks the
+    record taken and unpins.  No lock and no shared directory is involved:
     one writer per line (the producer writes the record, decoders only its
     *taken* line).  The prefill side's `release` (called by the cache
     operations every `RELEASE_EVERY` seconds, and by the engine when it
