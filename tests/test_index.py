@@ -689,12 +689,18 @@ def test_random_operations_match_the_model():
     IndexModel.TestCase().runTest()
 
 
-def _index_worker(path, node, seed, rounds, role, results):
+def _index_worker(path, node, seed, rounds, role, results, settled):
+    """``rounds`` of the role's operation; a reader goes on until the
+    writers and the evictor are done (``settled``), then does ``rounds``
+    more, so it serves hits however the processes were scheduled."""
     rng = random.Random(seed)
     with Pool.open(path, node) as pool:
         keys = BlockHasher(pool.header.hash_key, 4)(np.arange(4 * 64, dtype=np.int32))
-        served = 0
-        for _ in range(rounds):
+        served, done, after = 0, 0, 0
+        while done < rounds or (role == "reader" and after < rounds):
+            done += 1
+            if role == "reader" and settled.is_set():
+                after += 1
             chain = keys[rng.randrange(0, 48):][:rng.randint(1, 16)]
             if role == "writer":
                 _publish(pool, chain, size=rng.choice([3000, 70_000]))
@@ -713,17 +719,19 @@ def test_processes_on_several_nodes_read_only_their_keys(pool_path):
     _create(pool_path, size=12 << 20, capacity=128)
     context = multiprocessing.get_context("fork")
     with Pool.open(pool_path, 0, manager=True):
-        results = context.Queue()
-        roles = [(1, "writer"), (2, "writer"), (3, "reader"), (3, "reader"), (1, "reader"),
-                 (2, "evictor")]
+        results, settled = context.Queue(), context.Event()
+        roles = [(1, "writer"), (2, "writer"), (2, "evictor"), (3, "reader"), (3, "reader"),
+                 (1, "reader")]
         workers = [context.Process(target=_index_worker,
-                                   args=(pool_path, node, seed, 60, role, results))
+                                   args=(pool_path, node, seed, 60, role, results, settled))
                    for seed, (node, role) in enumerate(roles)]
         for worker in workers:
             worker.start()
-        for worker in workers:
+        for count, worker in enumerate(workers, 1):
             worker.join(180)
             assert worker.exitcode == 0
+            if count == 3:  # the writers and the evictor: the readers see a settled table
+                settled.set()
         served = sum(results.get(timeout=5)[2] for _ in workers)
         assert served > 20
     report = fsck(pool_path, watch=False)
