@@ -439,6 +439,22 @@ def _publish(pool, keys, size=4096):
     return reserved, pool.index.publish(reserved, _write_payloads(pool.region, reserved))
 
 
+def test_a_full_pool_makes_room_in_a_sparse_table(pool_path):
+    """A pool whose heap fills long before its (large) table: each reserve
+    that finds no memory evicts, widening its sample of slots until one
+    holds an entry to evict, and never reports the pool full."""
+    _create(pool_path, size=4 << 20, capacity=4096)
+    with Pool.open(pool_path, 0, manager=True) as pool:
+        rng = np.random.default_rng(5)
+        stored = 0
+        for _ in range(120):  # about 8 times what the heap holds
+            keys = rng.integers(0, 2**63, size=(8, 2), dtype=np.uint64)
+            _, published = _publish(pool, keys, size=32 << 10)
+            stored += sum(published)
+        assert stored == 120 * 8
+        assert fsck(pool_path, watch=False)["ok"]
+
+
 def _read_hits(pool, hits, keys):
     for hit, key in zip(hits, keys):
         assert hit.key == (int(key[0]), int(key[1]))

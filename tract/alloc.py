@@ -423,23 +423,26 @@ class Allocator:
         """(first chunk, count, owner) of every allocation whose owner is dead
         and that nothing references."""
         words = self._bitmap() if words is None else words
-        referenced = self.referenced_chunks()
         local_nodes = self.pool.nodes_on_this_host()
         self._fresh_owners(0, self.nchunks)
         self.region.fence()
-        found = []
+        dead, verdicts = [], {}
         for chunk in range(self.nchunks):
             if not (int(words[chunk // 64]) >> (chunk % 64)) & 1:
                 continue
             owner = self.owner(chunk)
             if owner.kind not in (HEAD, SLAB):
                 continue
-            count = owner.run if owner.kind == HEAD else 1
-            if any(c in referenced for c in range(chunk, chunk + count)):
-                continue
-            if self.dead_owner(owner, owner.node in local_nodes):
-                found.append((chunk, count, owner))
-        return found
+            judged = (owner.node, owner.epoch, owner.kind, owner.pid)
+            if judged not in verdicts:
+                verdicts[judged] = self.dead_owner(owner, owner.node in local_nodes)
+            if verdicts[judged]:
+                dead.append((chunk, owner.run if owner.kind == HEAD else 1, owner))
+        if not dead:  # the common case under pressure: no reference scan needed
+            return []
+        referenced = self.referenced_chunks()
+        return [(chunk, count, owner) for chunk, count, owner in dead
+                if not any(c in referenced for c in range(chunk, chunk + count))]
 
     def _reclaim_locked(self, words: np.ndarray, lock) -> int:
         reclaimed = self.reclaimable(words)

@@ -392,12 +392,24 @@ class Index:
             self._live = (now, epochs)
         return self._live[1]
 
+    def _make_room(self, count: int, timeout: float | None) -> int:
+        """Evict up to ``count`` entries for a reserve that lacks room,
+        sampling a window 4 times wider each time one holds nothing to
+        evict, up to the whole table; returns how many (0: nothing in the
+        table can be evicted)."""
+        window = 64
+        while True:
+            evicted = self.evict(count, window=window, timeout=timeout)
+            if evicted or window >= self.capacity:
+                return evicted
+            window *= 4
+
     def _alloc(self, size: int, timeout: float | None) -> int:
         for _ in range(8):
             try:
                 return self.pool.alloc(size, timeout)
             except PoolFull:
-                if not self.evict(8, timeout=timeout):
+                if not self._make_room(8, timeout):
                     raise
         return self.pool.alloc(size, timeout)
 
@@ -436,7 +448,7 @@ class Index:
                 reserved = self._reserve_locked(keys, payloads, sizes, tokens, timeout)
                 break
             except _IndexFull as full:  # make room: evict, then try again
-                if attempt == 3 or not self.evict(full.missing, timeout=timeout):
+                if attempt == 3 or not self._make_room(full.missing, timeout):
                     for offset in payloads.tolist():
                         self.pool.free(offset)
                     raise PoolFull(str(full)) from None

@@ -1,7 +1,10 @@
 """asv: moving KV blocks (`tract bench transfer`, the tract side): put
 (reserve, copy, checksum, publish) and get (pin, fresh copy, checksum
 check, unpin) of 8 blocks, next to memcpy and the non-temporal copy of the
-same bytes, their baselines."""
+same bytes, their baselines; and the handoff of 8 blocks from this process
+(prefill, node 0) to a decode process on node 1, ticket sent by a pipe."""
+
+import multiprocessing
 
 import numpy as np
 
@@ -40,3 +43,35 @@ class Blocks:
 
     def time_nontemporal_copy(self, size, checksum):
         self.pool.region.copy_in_blocks(self.offsets, self.blocks)
+
+
+class Handoff:
+    params = [[256 << 10, 2 << 20]]
+    param_names = ["block_bytes"]
+
+    def setup(self, size):
+        self.harness = bench._Pool(size * 16)
+        self.connector = Connector(self.harness.pool, bench.layout_of(size))
+        self.blocks = bench._blocks(size, 8, 1)
+        context = multiprocessing.get_context("fork")
+        self.pipe, theirs = context.Pipe()
+        self.decoder = context.Process(target=bench._decode,
+                                       args=(self.harness.path, size, 8, theirs, True))
+        self.decoder.start()
+        self.rng = np.random.default_rng(3)
+        self.rounds = 0
+
+    def teardown(self, size):
+        self.pipe.send(None)
+        self.decoder.join(30)
+        self.connector.close()
+        self.harness.close()
+
+    def time_handoff(self, size):
+        self.connector.release()  # the last round's pins (taken: its mark is in memory)
+        keys = self.rng.integers(0, 2**63, size=(8, 2), dtype=np.uint64)
+        self.rounds += 1
+        ticket = self.connector.offer(f"asv-{self.rounds}", keys, self.blocks)
+        self.pipe.send((ticket, 0.0))
+        _, loaded = self.pipe.recv()
+        assert loaded == 8, loaded
