@@ -422,14 +422,20 @@ def test_a_block_freed_by_another_node_returns_to_its_heap(pool_path):
 def test_chunks_of_a_node_that_left_are_reclaimed_when_space_runs_out(pool_path):
     _create(pool_path, size=2 << 20)
     with Pool.open(pool_path, 0, manager=True) as pool:
-        total = pool.header.nchunks
+        total, chunk = pool.header.nchunks, pool.header.chunk_size
         with Pool.open(pool_path, 1) as gone:
-            gone.alloc(total * pool.header.chunk_size)
+            kept = gone.alloc(chunk)
+            gone.objects.put("kept", kept, chunk)  # referenced: it outlives its owner
+            gone.alloc((total - 1) * chunk)
             with pytest.raises(PoolFull):
                 pool.alloc(4096)  # node 1 is alive: its chunks stay
             gone.leave()
-        assert pool.alloc(pool.header.chunk_size) > 0  # reclaimed on the slow path
-        assert fsck(pool_path, watch=False)["ok"]
+        assert pool.alloc((total - 1) * chunk) > 0  # reclaimed on the slow path
+        with pytest.raises(PoolFull):
+            pool.alloc(4096)  # all but the referenced chunk
+        assert pool.objects.get("kept").offset == kept
+        report = fsck(pool_path, watch=False)
+        assert report["ok"] and report["chunks"]["referenced"] == 1
 
 
 class AllocMachine(RuleBasedStateMachine):
