@@ -278,11 +278,15 @@ class Connector:
         self.pool.region.flush(offset + _TAKEN_AT, LINE)
         self.pool.region.fence()  # in memory when `take` returns (R3)
 
-    def _taken(self, offer: Offer) -> bool:
-        region = self.pool.region
-        region.invalidate(offer.record + _TAKEN_AT, LINE, payload=True)
+    def _taken(self) -> list[bool]:
+        """Whether each offer's taken line holds its mark, read fresh (R4):
+        one drop of all the lines, one fence."""
+        region, offers = self.pool.region, list(self.offers.values())
+        lines = np.array([offer.record + _TAKEN_AT for offer in offers], dtype=np.int64)
+        region.invalidate_lines(lines, payload=True)
         region.fence()
-        return region.load_u64(offer.record + _TAKEN_AT) == offer.nonce ^ _TAKEN
+        return [region.load_u64(offer.record + _TAKEN_AT) == offer.nonce ^ _TAKEN
+                for offer in offers]
 
     def _retire(self, offer: Offer) -> None:
         """Drop an offer's pins; its record is freed a lease after its
@@ -308,8 +312,9 @@ class Connector:
         expired, and free the records whose time has come; returns how
         many offers ended."""
         now, done = self.pool.clock.wall(), []
-        for request_id, offer in self.offers.items():
-            if self._taken(offer):
+        marks = self._taken() if self.offers else []
+        for (request_id, offer), taken in zip(self.offers.items(), marks):
+            if taken:
                 done.append(request_id)
             elif offer.deadline < now:
                 self.stats["expired"] += 1

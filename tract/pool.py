@@ -483,7 +483,7 @@ class Pool:
             self.space.fresh(self.layout.manager_line)
             if _read_manager(self.space)[0] != self.node:
                 return
-            time.sleep(1e-3)
+            self.clock.sleep(1e-3)
 
     def manager(self) -> LockManager:
         """A lock manager for this node (run it with ``.run(stop_event)``)."""
