@@ -68,7 +68,7 @@ def test_store_lookup_load(pool):
     per_layer = [[b[:LAYOUT.block_bytes // 2], b[LAYOUT.block_bytes // 2:]] for b in _empty(6)]
     assert connector.load(connector.keys(tokens), per_layer) == 6
     assert all((np.concatenate(a) == b).all() for a, b in zip(per_layer, _kv(tokens)))
-    assert connector.stats["loaded_blocks"] == 12
+    assert connector.stats["hit_blocks"] == 12
 
 
 def test_namespaces_and_salts_isolate(pool):

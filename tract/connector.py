@@ -56,6 +56,7 @@ import numpy as np
 from tract._native._region import xxh64
 from tract.hashing import BlockHasher
 from tract.index import Hits
+from tract.stats import COUNTERS
 from tract.transfer import KVLayout, TransferEngine
 
 __all__ = ["RELEASE_EVERY", "Connector", "Offer", "Taken"]
@@ -115,8 +116,13 @@ class Connector:
         self.offers: dict[str, Offer] = {}
         self._retired: list[tuple[float, int]] = []  # (free at, record offset) heap
         self._released = float("-inf")
-        self.stats = dict.fromkeys(["lookups", "hit_blocks", "loaded_blocks", "stored_blocks",
-                                    "checksum_failures", "offers", "taken", "expired"], 0)
+        #: this process's counts (the pool keeps its node's: `Pool.counters`)
+        self.stats = dict.fromkeys([*COUNTERS, "expired"], 0)
+
+    def _count(self, **deltas: int) -> None:
+        for name, delta in deltas.items():
+            self.stats[name] += delta
+        self.pool.stats.add(**deltas)
 
     # ------------------------------------------------------------ keys
 
@@ -134,9 +140,8 @@ class Connector:
         """How many leading tokens the pool holds, ready."""
         self._release_now_and_then()
         keys = self.keys(tokens_or_hashes)
-        self.stats["lookups"] += 1
         blocks = self.index.lookup(keys)
-        self.stats["hit_blocks"] += blocks
+        self._count(lookups=1)
         return blocks * self.layout.block_size
 
     def load(self, tokens_or_hashes, blocks: Sequence) -> int:
@@ -146,9 +151,11 @@ class Connector:
         keys = self.keys(tokens_or_hashes)[:len(blocks)]
         hits = self.index.pin(keys)
         try:
-            return self._load_hits(hits, blocks)
+            loaded = self._load_hits(hits, blocks)
         finally:
             self.index.unpin(hits)
+        self._count(miss_blocks=keys.shape[0] - loaded)
+        return loaded
 
     def _load_hits(self, hits: Hits, blocks: Sequence) -> int:
         count = len(hits)
@@ -160,9 +167,9 @@ class Connector:
         checksums = hits.entries[:count, 6] >> np.uint64(32)
         good = self.transfer.load(hits.offsets[:count], blocks[:count], checksums)
         bad = np.flatnonzero(~good)
-        self.stats["checksum_failures"] += int(bad.size)
         loaded = int(bad[0]) if bad.size else count
-        self.stats["loaded_blocks"] += loaded
+        self._count(checksum_failures=int(bad.size), hit_blocks=loaded,
+                    bytes_out=loaded * self.layout.block_bytes)
         return loaded
 
     def store(self, tokens_or_hashes, blocks: Sequence) -> int:
@@ -185,7 +192,7 @@ class Connector:
         checksums = np.zeros(len(reserved), dtype=np.uint64)
         checksums[taken] = sums
         published = int(sum(self.index.publish(reserved, checksums, timeout=self.timeout)))
-        self.stats["stored_blocks"] += published
+        self._count(stored_blocks=published, bytes_in=published * self.layout.block_bytes)
         return published
 
     # ---------------------------------------------------------- handoff
@@ -219,7 +226,7 @@ class Connector:
             raise
         ticket = f"tract:{record:x}.{nonce:016x}"
         self.offers[request_id] = Offer(request_id, ticket, hits, deadline, record, nonce)
-        self.stats["offers"] += 1
+        self._count(offers=1)
         return ticket
 
     def take(self, ticket: str, blocks: Sequence) -> Taken:
@@ -234,6 +241,7 @@ class Connector:
                              f"line inside the heap [{low}, {high})")
         record = self._record(offset, nonce, high)
         if record is None:
+            self._count(handoff_misses=1, miss_blocks=len(blocks))
             return Taken(0, 0)
         node, epoch, deadline, keys = record
         hits = self.index.pin(keys[:len(blocks)])
@@ -242,7 +250,7 @@ class Connector:
             self._mark_taken(offset, nonce, node, epoch, deadline)
         finally:
             self.index.unpin(hits)
-        self.stats["taken"] += 1
+        self._count(takes=1, miss_blocks=min(len(blocks), keys.shape[0]) - loaded)
         return Taken(loaded, keys.shape[0])
 
     def _record(self, offset: int, nonce: int, high: int):

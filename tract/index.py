@@ -317,6 +317,8 @@ class Index:
         else:
             slots, entries = self._pin(keys)
         hits = Hits(slots, entries)
+        if len(hits):
+            self.pool.stats.add(pins=len(hits))
         low, high = self.heap
         offsets, lengths = hits.offsets, hits.lengths
         bad = np.flatnonzero((offsets < low) | (lengths <= 0) | (lengths > high - offsets))
@@ -635,6 +637,8 @@ class Index:
                 self._lower_reaches(slots[first:first + run], entries[first:first + run], lock)
         for offset in freed:  # tombstones are in memory (the release fenced them)
             self.pool.free(offset)
+        if freed:
+            self.pool.stats.add(evictions=len(freed))
         return len(freed)
 
     def _lower_reaches(self, slots: np.ndarray, entries: np.ndarray, lock) -> None:

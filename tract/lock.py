@@ -687,7 +687,7 @@ class Lock:
     """
 
     def __init__(self, space: LockSpace, mode: str, lock: int, name: str, local=None,
-                 fast=None):
+                 fast=None, waited=None):
         if mode not in _TIER2:
             raise ConfigError(f"lock mode must be one of {LOCK_MODES}, got {mode!r}")
         if mode == "atomic" and space.region.cache_control.coherence != "hardware":
@@ -702,6 +702,7 @@ class Lock:
         self.global_lock = _TIER2[mode](space, lock, name)
         self.local = local
         self.fast = fast
+        self.waited = waited  # called with the seconds an acquire waited for the grant
         self._timeout: float | None = None
 
     @property
@@ -724,7 +725,11 @@ class Lock:
                 raise self._local_timeout(timeout) from None
             if outcome == _lockfast.ACQUIRED:
                 return fast.epoch
-            return self._acquire_slow(outcome, timeout, start)
+            began = self.global_lock.space.clock.now()
+            epoch = self._acquire_slow(outcome, timeout, start)
+            if self.waited is not None:
+                self.waited(self.global_lock.space.clock.now() - began)
+            return epoch
         clock = self.global_lock.space.clock
         start = clock.now()
         if self.local is not None:
@@ -736,8 +741,12 @@ class Lock:
             except TimeoutError:
                 raise self._local_timeout(timeout) from None
         try:
-            left = None if timeout is None else max(0.0, timeout - (clock.now() - start))
-            return self.global_lock.acquire(left)
+            began = clock.now()
+            left = None if timeout is None else max(0.0, timeout - (began - start))
+            epoch = self.global_lock.acquire(left)
+            if self.waited is not None:
+                self.waited(clock.now() - began)
+            return epoch
         except BaseException:
             if self.local is not None:
                 self.local.release()

@@ -14,6 +14,7 @@ header that disagrees):
              objects     `tract.objects`: the directory of named roots
              index       reserved for the prefix index: 64-byte entries, then
                          per node one 8-byte word per entry (pins, stamps)
+             stats       per node two lines of counters (`tract.stats`)
              heap        chunk-aligned; ``nchunks`` chunks of ``chunk_size``
 
 Node-local state (tier-1 mutexes, cohort words, the node's live processes and
@@ -49,11 +50,12 @@ from tract.lock import (COHORT_PASSES, LOCK_MODES, Lock, LockLayout, LockManager
 from tract.index import Index
 from tract.objects import RECORD_BYTES, ObjectStore
 from tract.region import create_region, is_dax_path, open_region
+from tract.stats import COUNTERS, STATS_BYTES, NodeStats, read_stats
 
 __all__ = ["DEFAULT_LOCKS", "Pool", "format_pool"]
 
 MAGIC = int.from_bytes(b"TRACTPL\x01", "little")
-LAYOUT_VERSION = 2
+LAYOUT_VERSION = 3
 HEADER_BYTES = 4096
 NAME_BYTES = 32
 INDEX_ENTRY_BYTES = 64
@@ -71,10 +73,10 @@ _F = dict(magic=0, version=8, uuid=16, size=32, max_nodes=40, max_locks=48, lock
           coherence=64, flush=72, lease_us=80, node_table=88, names=96, lock_area=104,
           lock_area_size=112, heap=120, hash_key=128, created_ns=144, chunk_size=152,
           nchunks=160, alloc=168, objects=176, max_objects=184, index=192, index_capacity=200,
-          index_nodes=208)
+          index_nodes=208, stats=216)
 # the fields that follow from the creation parameters (checked at open)
 _DERIVED = ("node_table", "names", "lock_area", "lock_area_size", "alloc", "objects", "index",
-            "index_nodes", "heap", "nchunks")
+            "index_nodes", "stats", "heap", "nchunks")
 
 
 def _round_up(value: int, unit: int) -> int:
@@ -94,11 +96,11 @@ def _areas(size: int, max_nodes: int, max_locks: int, chunk_size: int, max_objec
     objects = alloc + AllocLayout(alloc, size // chunk_size, max_nodes).nbytes
     index = objects + max_objects * RECORD_BYTES
     index_nodes = index + index_capacity * INDEX_ENTRY_BYTES
-    end = index_nodes + max_nodes * _round_up(index_capacity * INDEX_NODE_WORD, LINE)
-    heap = _round_up(end, chunk_size)
+    stats = index_nodes + max_nodes * _round_up(index_capacity * INDEX_NODE_WORD, LINE)
+    heap = _round_up(stats + max_nodes * STATS_BYTES, chunk_size)
     return dict(node_table=node_table, names=names, lock_area=lock_area,
                 lock_area_size=lock_area_size, alloc=alloc, objects=objects, index=index,
-                index_nodes=index_nodes, heap=heap, nchunks=max(0, (size - heap) // chunk_size))
+                index_nodes=index_nodes, stats=stats, heap=heap, nchunks=max(0, (size - heap) // chunk_size))
 
 
 def default_index_capacity(size: int) -> int:
@@ -238,7 +240,8 @@ class Header:
         bounds = [("header", 0), ("node table", self.node_table), ("lock names", self.names),
                   ("lock area", self.lock_area), ("allocator", self.alloc),
                   ("objects", self.objects), ("index", self.index),
-                  ("index per node", self.index_nodes), ("heap", self.heap)]
+                  ("index per node", self.index_nodes), ("stats", self.stats),
+                  ("heap", self.heap)]
         ends = [offset for _, offset in bounds[1:]] + [self.heap_end]
         return {name: (offset, end - offset) for (name, offset), end in zip(bounds, ends)}
 
@@ -284,6 +287,7 @@ class Pool:
         self.objects = ObjectStore(self, header.objects, header.max_objects,
                                    (header.heap, header.heap_end))
         self.allocator.add_referrer(lambda: [(r.offset, r.size) for r in self.objects.list()])
+        self.stats = NodeStats(region, header.stats, node) if node is not None else None
         self.index = Index(self)
         self.allocator.add_referrer(self.index.referenced)
         self._stop = threading.Event()
@@ -508,8 +512,18 @@ class Pool:
                 if self.header.lock_mode_name == "manager":
                     fast = self._fast_path(index)
             lock = self._locks[name] = Lock(self.space, self.header.lock_mode_name, index, name,
-                                            local, fast)
+                                            local, fast, waited=self._lock_waited)
         return lock
+
+    def _lock_waited(self, seconds: float) -> None:
+        self.stats.add(lock_waits=1, lock_wait_ns=max(0, int(seconds * 1e9)))
+
+    def counters(self) -> dict[int, dict[str, int]]:
+        """Every node's counters (`tract.stats.COUNTERS`), read fresh; nodes
+        whose counters are all zero are left out."""
+        table = read_stats(self.region, self.header.stats, self.header.max_nodes)
+        return {node: dict(zip(COUNTERS, map(int, row))) for node, row in enumerate(table)
+                if row.any()}
 
     def leave(self) -> None:
         """Tell the other nodes this node is gone for good (not only this process)."""

@@ -48,6 +48,7 @@ cdef extern from "_cachectl.h" nogil:
     void tract_stream_in(int kind, int insn, char *dst, const char *src, size_t n) noexcept
     uint64_t tract_cas_u64(uint64_t *addr, uint64_t expected, uint64_t desired) noexcept
     uint32_t tract_add_u32_bounded(uint32_t *addr, int64_t delta) noexcept
+    uint64_t tract_add_u64(uint64_t *addr, int64_t delta) noexcept
     uint64_t tract_xxh64(const char *p, size_t n, uint64_t seed) noexcept
     uint64_t tract_digest_copy(char *dst, const char *src, size_t n, uint64_t seed, int nt,
                                int kind, int insn) noexcept
@@ -527,6 +528,18 @@ cdef class Region:
             for i in range(offsets.shape[0]):
                 found[i] = tract_add_u32_bounded(<uint32_t *>(self._base + offsets[i]), delta)
         return result
+
+    def local_add_u64s(self, int64_t offset, const uint64_t[::1] deltas):
+        """Add ``deltas[i]`` to the u64 at ``offset + 8 * i`` (wrapping),
+        atomically among the processes of this host only: for lines of this
+        host's node (R2), such as its counters."""
+        self._check_aligned(offset, 8)
+        self._check(offset, deltas.shape[0] * 8)
+        cdef Py_ssize_t i
+        with nogil:
+            for i in range(deltas.shape[0]):
+                if deltas[i]:
+                    tract_add_u64(<uint64_t *>(self._base + offset) + i, <int64_t>deltas[i])
 
     def store_u32s(self, const int64_t[::1] offsets, uint32_t value):
         """Store ``value`` at each (4-byte aligned) offset."""

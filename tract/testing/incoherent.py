@@ -553,6 +553,13 @@ class SimHost:
                 self.store_u32(offset, value + delta)
         return found
 
+    def local_add_u64s(self, offset: int, deltas) -> None:
+        """As the native one: atomic among this host's threads (one runs at a time)."""
+        for i, delta in enumerate(int(d) for d in deltas):
+            if delta:
+                at = offset + 8 * i
+                self.store_u64(at, (self.load_u64(at) + delta) & 0xFFFFFFFFFFFFFFFF)
+
     def store_u32s(self, offsets, value: int) -> None:
         for offset in offsets:
             self.store_u32(int(offset), value)
