@@ -113,3 +113,37 @@ def test_manager_command_grants_and_stops_on_sigterm(pool_path):
 def test_pool_create_refuses_a_bad_size(pool_path):
     with pytest.raises(SystemExit, match="is not a number of bytes"):
         main(["pool", "create", pool_path, "--size", "lots"])
+
+
+def test_stat_prints_and_exports_a_pools_counters(tmp_path):
+    import socket
+    import time
+    import urllib.request
+
+    from tract.pool import Pool
+
+    path = str(tmp_path / "pool")
+    Pool.create(path, 32 << 20, max_nodes=4)
+    with Pool.open(path, 2) as pool:
+        pool.stats.add(hit_blocks=5, lock_wait_ns=2_000_000_000)
+    report = json.loads(_tract("stat", path, "--json").stdout)
+    assert report["nodes"]["2"]["hit_blocks"] == 5 and list(report["nodes"]) == ["2"]
+    assert "hit_blocks" in _tract("stat", path).stdout
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "tract.cli", "stat", path,
+                               "--prometheus-port", str(port)])
+    try:
+        for _ in range(100):
+            try:
+                text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
+                break
+            except OSError:
+                time.sleep(0.1)
+        assert 'tract_hit_blocks_total{node="2"} 5.0' in text
+        assert 'tract_lock_wait_seconds_total{node="2"} 2.0' in text
+    finally:
+        server.terminate()
+        server.wait(10)
+    Pool.destroy(path)

@@ -160,6 +160,40 @@ def _size(text: str) -> int:
         raise SystemExit(f"tract: size {text!r} is not a number of bytes (e.g. 4G, 512M)") from None
 
 
+def _stat(args: argparse.Namespace) -> int:
+    import time
+
+    from tract.pool import Pool
+    from tract.stats import format_table, serve_prometheus
+
+    with Pool.observe(args.pool) as pool:
+        server = None if args.prometheus_port is None else \
+            serve_prometheus(pool, args.prometheus_port, args.prometheus_host)
+        if server is not None:
+            print(f"tract stat: serving http://{args.prometheus_host}:{args.prometheus_port}"
+                  f"/metrics; ^C stops", file=sys.stderr, flush=True)
+        try:
+            while True:
+                counters = pool.counters()
+                if args.json:
+                    print(json.dumps({"pool": args.pool, "time": time.time(),
+                                      "nodes": {str(n): c for n, c in counters.items()}}),
+                          flush=True)
+                else:
+                    if args.watch:
+                        print("\033[H\033[J", end="")
+                    print(f"tract stat {args.pool}  {time.strftime('%H:%M:%S')}")
+                    print(format_table(counters), flush=True)
+                if not (args.watch or server is not None):
+                    return 0
+                time.sleep(args.interval)
+        except KeyboardInterrupt:
+            return 0
+        finally:
+            if server is not None:
+                server.shutdown()
+
+
 def _demo(args: argparse.Namespace) -> int:
     from tract import demo
 
@@ -219,6 +253,17 @@ def main(argv: list[str] | None = None) -> int:
                        help="judge leases at once instead of watching heartbeats for a lease")
     check.add_argument("--json", action="store_true", help="print one JSON object")
     check.set_defaults(handler=_pool_fsck)
+
+    stat = commands.add_parser("stat", help="every node's counters in a pool")
+    stat.add_argument("pool", help="pool file or /dev/daxX.Y")
+    stat.add_argument("--json", action="store_true", help="print one JSON object (a line each "
+                      "time with --watch)")
+    stat.add_argument("--watch", action="store_true", help="print again every --interval s")
+    stat.add_argument("--interval", type=float, default=2.0, help="seconds between prints")
+    stat.add_argument("--prometheus-port", type=int, default=None,
+                      help="export the counters for Prometheus on this port (runs until ^C)")
+    stat.add_argument("--prometheus-host", default="127.0.0.1", help="address to listen on")
+    stat.set_defaults(handler=_stat)
 
     demo = commands.add_parser("demo", help="show a pool shared by two processes")
     demo.add_argument("--quick", action="store_true", help="a smaller run")

@@ -169,7 +169,7 @@ class Connector:
         bad = np.flatnonzero(~good)
         loaded = int(bad[0]) if bad.size else count
         self._count(checksum_failures=int(bad.size), hit_blocks=loaded,
-                    bytes_out=loaded * self.layout.block_bytes)
+                    read_bytes=loaded * self.layout.block_bytes)
         return loaded
 
     def store(self, tokens_or_hashes, blocks: Sequence) -> int:
@@ -192,7 +192,7 @@ class Connector:
         checksums = np.zeros(len(reserved), dtype=np.uint64)
         checksums[taken] = sums
         published = int(sum(self.index.publish(reserved, checksums, timeout=self.timeout)))
-        self._count(stored_blocks=published, bytes_in=published * self.layout.block_bytes)
+        self._count(stored_blocks=published, written_bytes=published * self.layout.block_bytes)
         return published
 
     # ---------------------------------------------------------- handoff

@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from tract.errors import ConfigError
 from tract.lease import LINE
 
-__all__ = ["COUNTERS", "STATS_BYTES", "NodeStats", "read_stats"]
+__all__ = ["COUNTERS", "STATS_BYTES", "NodeStats", "PoolCollector", "format_table",
+           "metric_name", "read_stats", "serve_prometheus"]
 
 #: counter name -> what it counts (pool order: never reorder, only append)
 COUNTERS = {
@@ -29,8 +31,8 @@ COUNTERS = {
     "miss_blocks": "blocks a load or take asked for and did not get",
     "stored_blocks": "blocks this node published",
     "evictions": "entries this node evicted",
-    "bytes_in": "payload bytes this node copied into the pool",
-    "bytes_out": "payload bytes this node copied out of the pool",
+    "written_bytes": "payload bytes this node copied into the pool",
+    "read_bytes": "payload bytes this node copied out of the pool",
     "pins": "entries this node pinned",
     "checksum_failures": "blocks whose checksum did not match (served as misses)",
     "lock_waits": "global lock acquisitions that had to wait",
@@ -74,3 +76,61 @@ def read_stats(region, base: int, max_nodes: int) -> np.ndarray:
     region.fence()
     raw = np.frombuffer(region.read(base, max_nodes * STATS_BYTES), dtype="<u8")
     return raw.reshape(max_nodes, _WORDS)[:, :len(COUNTERS)].astype(np.uint64)
+
+
+def metric_name(counter: str) -> str:
+    """The Prometheus name of a counter (the exposition adds ``_total``)."""
+    if counter.endswith("_ns"):
+        return f"tract_{counter[:-3]}_seconds"
+    return f"tract_{counter}"
+
+
+def format_table(counters: dict[int, dict[str, int]]) -> str:
+    """The counters as a table: one column per node, one row per counter."""
+    if not counters:
+        return "no node has counted anything yet"
+    nodes = sorted(counters)
+    width = max(12, *(len(f"{v:,}") for row in counters.values() for v in row.values()))
+    lines = [f"{'counter':<20}" + "".join(f"{f'node {n}':>{width + 2}}" for n in nodes)]
+    for name in COUNTERS:
+        cells = []
+        for node in nodes:
+            value = counters[node][name]
+            cells.append(f"{value / 1e9:>{width + 1}.3f}s" if name.endswith("_ns")
+                         else f"{value:>{width + 2},}")
+        lines.append(f"{name.removesuffix('_ns'):<20}" + "".join(cells))
+    return "\n".join(lines)
+
+
+class PoolCollector:
+    """A `prometheus_client` collector: the pool's counters, read fresh at
+    every scrape, labelled by node."""
+
+    def __init__(self, pool):
+        self.pool = pool
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        counters = self.pool.counters()
+        for name, help_text in COUNTERS.items():
+            family = CounterMetricFamily(metric_name(name), help_text, labels=["node"])
+            for node, row in sorted(counters.items()):
+                value = row[name] / 1e9 if name.endswith("_ns") else row[name]
+                family.add_metric([str(node)], value)
+            yield family
+
+
+def serve_prometheus(pool, port: int, host: str = "127.0.0.1"):
+    """Export the pool's counters on http://host:port/metrics; returns the
+    server (``.shutdown()`` stops it)."""
+    try:
+        from prometheus_client import start_http_server
+        from prometheus_client.core import CollectorRegistry
+    except ImportError:
+        raise ConfigError("--prometheus-port needs the prometheus_client package "
+                          "(pip install prometheus_client)") from None
+    registry = CollectorRegistry()
+    registry.register(PoolCollector(pool))
+    server, _ = start_http_server(port, addr=host, registry=registry)
+    return server

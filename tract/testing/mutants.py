@@ -49,6 +49,7 @@ SUITES: dict[str, list[str]] = {
     "tract.objects": ["tests/test_objects.py"],
     "tract.index": ["tests/test_index.py"],
     "tract.connector": ["tests/test_connector.py"],
+    "tract.stats": ["tests/test_stats.py"],
 }
 
 SEEDS_ENV = "TRACT_SIM_SEEDS"
