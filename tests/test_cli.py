@@ -71,12 +71,29 @@ def test_result_ratio_orientation():
 
 
 @pytest.mark.multiprocess
-def test_demo_runs_and_verifies():
-    done = _tract("demo", "--quick", "--json")
-    assert done.returncode == 0, done.stderr
+@pytest.mark.slow
+def test_demo_hands_kv_through_the_pool_token_exact(tmp_path):
+    done = _tract("demo", "--quick", "--json", "--out", str(tmp_path))
+    assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout)
-    assert report["verified"] and report["blocks"] == 64
-    assert report["reader"]["bad_blocks"] == [] and report["write_gbps"] > 0
+    assert report["token_exact"] is True
+    assert set(report["workloads"]) == {"hit25", "hit50", "hit75"}
+    for paths in report["workloads"].values():
+        assert {"tract", "tcp", "tract_no_prefix_cache"} <= set(paths)
+        for row in paths.values():
+            assert row["mismatched"] == [] and row["requests"] == 6
+            assert set(row["ttft_s"]) == {"mean", "p50", "p99"} and row["kv_load_s"]["mean"] > 0
+        assert paths["tract"]["hit_rate"] > 0 and paths["tcp"]["hit_rate"] == 0
+    assert report["workloads"]["hit75"]["tract"]["hit_rate"] > \
+        report["workloads"]["hit25"]["tract"]["hit_rate"]
+    counters = report["pool_counters"]
+    assert sum(c["offers"] for c in counters.values()) == \
+        sum(c["takes"] for c in counters.values()) > 0
+    for plot in report["plots"]:
+        with open(plot, "rb") as image:
+            assert image.read(8) == b"\x89PNG\r\n\x1a\n"
+    with open(report["json"]) as saved:
+        assert json.load(saved)["token_exact"] is True
 
 
 def test_bench_incoherent_reports_a_ratio(capsys):

@@ -197,7 +197,7 @@ def _stat(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from tract import demo
 
-    return demo.main(quick=args.quick, as_json=args.json)
+    return demo.main(quick=args.quick, as_json=args.json, out_dir=args.out)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -265,8 +265,10 @@ def main(argv: list[str] | None = None) -> int:
     stat.add_argument("--prometheus-host", default="127.0.0.1", help="address to listen on")
     stat.set_defaults(handler=_stat)
 
-    demo = commands.add_parser("demo", help="show a pool shared by two processes")
-    demo.add_argument("--quick", action="store_true", help="a smaller run")
+    demo = commands.add_parser("demo", help="disaggregated prefill/decode of a small Llama "
+                               "across emulated nodes, KV through the pool vs TCP")
+    demo.add_argument("--quick", action="store_true", help="a smaller run (under 2 minutes)")
+    demo.add_argument("--out", default="tract-demo-out", help="where the JSON and plots go")
     demo.add_argument("--json", action="store_true", help="print one JSON object")
     demo.set_defaults(handler=_demo)
 

@@ -1,163 +1,665 @@
-"""`tract demo`: one process writes KV-sized blocks into an emulated pool in
-/dev/shm, another maps the same pool at its own address and reads them back.
+"""`tract demo`: disaggregated prefill and decode of a real transformer,
+across emulated nodes, with the KV moving through the pool.
 
-This is the foundation's demo; it shows the mapping and the flush discipline
-that every later layer is built on.  Protocol (DESIGN.md R3, R4, R5):
+What runs (all on this machine's CPUs):
 
-- the writer streams each block in (non-temporal copy: in memory on return),
-  writes the block checksums, flushes them and fences, and only then writes
-  the ready flag, flushes it and fences;
-- the reader polls the flag, invalidating its line on every iteration, then
-  invalidates the checksums and the payload before it reads them, and checks
-  every value it read from the pool before using it.
+- an emulated pool in /dev/shm, its lock manager in its own process
+  (node 0), as `tract manager` would run it;
+- one or more *prefill workers* (nodes 1..P) and one *decode worker* (node
+  P+1), separate processes, each with the same small Llama model
+  (`transformers`, built from a config with seeded weights: nothing is
+  downloaded);
+- a prefill looks up the prompt's blocks in the pool, loads the hits into
+  its KV cache, computes only the rest, stores the new full blocks and hands
+  the request to the decode worker (`Connector.offer`: a ticket);
+- the decode worker loads every block of the prompt from the pool
+  (`Connector.take`), then generates.
+
+The same pipeline then runs with the KV moved other ways, on the same
+requests: over a TCP socket between the two workers, through Mooncake Store
+over TCP (when it is installed), and through the pool with the prefix
+cache off.  Each workload is shaped like the paper's synthetic ones, scaled
+to a CPU: prompts of whole blocks around 1-2k tokens, a shared prefix whose
+length sets the hit rate, requests arriving at a given rate (Poisson).
+
+Measured per workload and path: TTFT (arrival to the first token at the
+decode worker, its KV loaded), the decode side's KV load time, prefill
+compute time, hit rate and throughput.  Every request's tokens are checked
+against a single-process run of the same model (``token_exact``).
+
+The KV layout: a block is ``layers x (K, V) x block_size x kv_heads x
+head_dim`` float32, token-major inside each (layer, K/V) piece, so every
+piece is one contiguous slice of a worker's per-layer buffers and a block
+moves as its pieces in one native call.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
 import os
+import socket
+import statistics
+import struct
+import sys
 import time
 import uuid
-import zlib
+from dataclasses import dataclass, field
 
-import numpy
+import numpy as np
 
-from tract import platform
-from tract.errors import CorruptionError
-from tract.region import create_region, open_region
+from tract.bench.peers import SEGMENT_MAX, Unavailable, _free_port, _server
+from tract.errors import ConfigError
+from tract.transfer import KVLayout
 
-MAGIC = 0x5452_4143_5444_454D  # "TRACTDEM"
-FLAG_OFFSET = 0        # line 0: magic, then ready flag (written last)
-META_OFFSET = 64       # line 1: block count and size
-SUMS_OFFSET = 128      # checksums, one u64 per block
-HEADER_BYTES = 1 << 20
-MIB = 1 << 20
+__all__ = ["DemoConfig", "main", "run"]
 
-
-def _writer(path: str, blocks: int, block_bytes: int, seed: int, results) -> None:
-    region = open_region(path, populate=True)
-    rng = numpy.random.default_rng(seed)
-    payload = rng.integers(0, 256, (blocks, block_bytes), dtype=numpy.uint8)
-    payload[:, :8] = numpy.arange(blocks, dtype="<u8").view(numpy.uint8).reshape(blocks, 8)
-    sums = numpy.array([zlib.crc32(row) for row in payload], dtype=numpy.uint64)
-    start = time.perf_counter()
-    for block in range(blocks):
-        region.copy_in(HEADER_BYTES + block * block_bytes, payload[block], nontemporal=True)
-    elapsed = time.perf_counter() - start
-    region.store_u64(META_OFFSET, blocks)
-    region.store_u64(META_OFFSET + 8, block_bytes)
-    region.copy_in(SUMS_OFFSET, sums, nontemporal=False)
-    region.flush(META_OFFSET, SUMS_OFFSET - META_OFFSET + sums.nbytes)
-    region.fence()
-    region.store_u64(FLAG_OFFSET + 8, 1)
-    region.flush(FLAG_OFFSET, 64)
-    region.fence()
-    results.put({"role": "writer", "pid": os.getpid(), "base": region.base,
-                 "seconds": elapsed})
-    region.close()
+MANAGER_NODE = 0
+BLOCK = 16  # tokens per KV block
+PATHS = ("tract", "tcp", "mooncake_tcp", "tract_no_prefix_cache")
 
 
-def _reader(path: str, results, timeout: float) -> None:
-    region = open_region(path, populate=True)
-    deadline = time.monotonic() + timeout
-    while True:
-        region.invalidate(FLAG_OFFSET, 64)
-        region.fence()
-        if region.load_u64(FLAG_OFFSET + 8) == 1:
-            break
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no ready flag in {path!r} after {timeout} s")
-        time.sleep(0.001)
-    region.invalidate(META_OFFSET, 64)
-    region.fence()
-    blocks, block_bytes = region.load_u64(META_OFFSET), region.load_u64(META_OFFSET + 8)
-    if blocks * 8 > HEADER_BYTES - SUMS_OFFSET or HEADER_BYTES + blocks * block_bytes > region.size:
-        raise CorruptionError(f"demo header at offset {META_OFFSET} of {path!r} claims "
-                              f"{blocks} blocks of {block_bytes} bytes; pool has {region.size}")
-    sums = numpy.empty(blocks, dtype=numpy.uint64)
-    region.invalidate(SUMS_OFFSET, sums.nbytes)
-    region.fence()
-    region.copy_out(SUMS_OFFSET, sums)
-    received = numpy.ones((blocks, block_bytes), dtype=numpy.uint8)  # touched: no page faults timed
-    start = time.perf_counter()
-    for index in range(blocks):
-        offset = HEADER_BYTES + index * block_bytes
-        region.invalidate(offset, block_bytes, payload=True)
-        region.fence()
-        region.copy_out(offset, received[index])
-    elapsed = time.perf_counter() - start
-    bad = [index for index in range(blocks)
-           if zlib.crc32(received[index]) != sums[index]
-           or int.from_bytes(received[index, :8], "little") != index]
-    results.put({"role": "reader", "pid": os.getpid(), "base": region.base,
-                 "seconds": elapsed, "bad_blocks": bad, "blocks": int(blocks)})
-    region.close()
+@dataclass
+class DemoConfig:
+    """What the demo runs; `quick` and `full` are the two presets."""
+
+    layers: int = 8
+    hidden: int = 256
+    heads: int = 4
+    kv_heads: int = 4
+    intermediate: int = 512
+    vocab: int = 4096
+    input_tokens: int = 1536  # mean prompt length (whole blocks, within +-25%)
+    output_tokens: int = 64
+    requests: int = 16  # per workload and path
+    qps: float = 1.0
+    hit_rates: tuple = (0.25, 0.5, 0.75)
+    prefixes: int = 2  # distinct shared prefixes per workload
+    prefill_workers: int = 2
+    seed: int = 0
+    paths: tuple = PATHS
+    extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def quick(cls) -> DemoConfig:
+        return cls(input_tokens=1024, output_tokens=32, requests=6, qps=1.5,
+                   prefill_workers=1)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def max_tokens(self) -> int:
+        return _whole(self.input_tokens * 5 // 4) + BLOCK
+
+    def layout(self) -> KVLayout:
+        return KVLayout(model=f"tract-demo-llama-{self.layers}x{self.hidden}-s{self.seed}",
+                        dtype="float32", num_layers=self.layers, num_kv_heads=self.kv_heads,
+                        head_size=self.head_dim, block_size=BLOCK,
+                        engine_layout="hf_token_major")
 
 
-def run(quick: bool = False, directory: str = "/dev/shm") -> dict:
-    """Run the demo and return its figures."""
-    blocks, block_bytes = (64, 2 * MIB) if quick else (256, 2 * MIB)
-    path = os.path.join(directory, f"tract-demo-{uuid.uuid4().hex[:8]}")
-    total = blocks * block_bytes
-    region = create_region(path, HEADER_BYTES + total)
+def _whole(tokens: int) -> int:
+    return max(BLOCK, tokens // BLOCK * BLOCK)
+
+
+# ------------------------------------------------------------------ model
+
+def _model(config: DemoConfig):
+    """The demo's Llama: a small config, weights from a seeded generator,
+    eager attention, float32, one thread (the same bits in every process)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    torch.set_num_threads(1)
+    torch.set_grad_enabled(False)
+    torch.manual_seed(config.seed)
+    llama = LlamaConfig(vocab_size=config.vocab, hidden_size=config.hidden,
+                        intermediate_size=config.intermediate,
+                        num_hidden_layers=config.layers, num_attention_heads=config.heads,
+                        num_key_value_heads=config.kv_heads,
+                        max_position_embeddings=config.max_tokens + config.output_tokens + 64,
+                        initializer_range=0.1, attn_implementation="eager")
+    return LlamaForCausalLM(llama).eval()
+
+
+class KVBuffer:
+    """A worker's KV staging: ``kv[layer, k_or_v, token, head, dim]``
+    (token-major), as the pool's block pieces lay it out."""
+
+    def __init__(self, config: DemoConfig):
+        self.config = config
+        self.kv = np.zeros((config.layers, 2, config.max_tokens, config.kv_heads,
+                            config.head_dim), dtype=np.float32)
+
+    def blocks(self, first: int, count: int) -> list[list[np.ndarray]]:
+        """Blocks ``first..first+count-1`` as their pieces (layer, K/V), in order."""
+        return [[self.kv[layer, part, b * BLOCK:(b + 1) * BLOCK]
+                 for layer in range(self.config.layers) for part in (0, 1)]
+                for b in range(first, first + count)]
+
+    def layers(self, tokens: int) -> list[np.ndarray]:
+        """Each layer's K then V of the first ``tokens`` tokens (contiguous)."""
+        return [self.kv[layer, part, :tokens] for layer in range(self.config.layers)
+                for part in (0, 1)]
+
+    def cache(self, tokens: int):
+        """A `transformers` cache holding the first ``tokens`` tokens."""
+        import torch
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
+        if tokens:
+            for layer in range(self.config.layers):
+                keys, values = (torch.from_numpy(self.kv[layer, part, :tokens])
+                                .transpose(0, 1).unsqueeze(0) for part in (0, 1))
+                cache.update(keys, values, layer)
+        return cache
+
+    def fill(self, cache, start: int, end: int) -> None:
+        """Copy tokens ``start..end-1`` of ``cache`` in."""
+        import torch
+
+        for layer in range(self.config.layers):
+            for part, tensor in enumerate(_layer_kv(cache, layer)):
+                torch.from_numpy(self.kv[layer, part, start:end]).copy_(
+                    tensor[0, :, start:end].transpose(0, 1))
+
+
+def _layer_kv(cache, layer: int):
+    if hasattr(cache, "layers"):
+        return cache.layers[layer].keys, cache.layers[layer].values
+    return cache.key_cache[layer], cache.value_cache[layer]  # transformers < 4.56
+
+
+def _greedy(model, logits, cache, count: int) -> list[int]:
+    """``count`` tokens, greedily, the first from ``logits``."""
+    import torch
+
+    tokens = [int(logits[0, -1].argmax())]
+    while len(tokens) < count:
+        out = model(torch.tensor([[tokens[-1]]]), past_key_values=cache, use_cache=True)
+        tokens.append(int(out.logits[0, -1].argmax()))
+    return tokens
+
+
+def reference(config: DemoConfig, prompts: list[np.ndarray]) -> list[list[int]]:
+    """The tokens of a single-process run of the same model, per prompt."""
+    import torch
+
+    model = _model(config)
+    out = []
+    for prompt in prompts:
+        first = model(torch.from_numpy(prompt[None].astype(np.int64)), use_cache=True)
+        out.append(_greedy(model, first.logits, first.past_key_values, config.output_tokens))
+    return out
+
+
+# --------------------------------------------------------------- workload
+
+@dataclass
+class Request:
+    rid: str
+    workload: str
+    path: str
+    prompt: np.ndarray
+    arrival: float = 0.0  # time.monotonic() when it arrived
+
+
+def workloads(config: DemoConfig) -> dict[str, list[np.ndarray]]:
+    """Prompts per workload: a shared prefix (one of ``prefixes``) whose
+    length is the hit rate's share of the prompt, then a unique suffix."""
+    rng = np.random.default_rng(config.seed + 1)
+    out = {}
+    for rate in config.hit_rates:
+        prefixes = [rng.integers(0, config.vocab, config.max_tokens, dtype=np.int64)
+                    for _ in range(config.prefixes)]
+        prompts = []
+        for i in range(config.requests):
+            length = _whole(int(config.input_tokens * rng.uniform(0.75, 1.25)))
+            shared = _whole(int(length * rate))
+            suffix = rng.integers(0, config.vocab, length - shared, dtype=np.int64)
+            prompts.append(np.concatenate([prefixes[i % config.prefixes][:shared], suffix]))
+        out[f"hit{int(rate * 100)}"] = prompts
+    return out
+
+
+# ---------------------------------------------------------------- workers
+
+def _send_frame(sock, header: dict, arrays=()) -> None:
+    raw = json.dumps(header).encode()
+    sock.sendall(struct.pack("<I", len(raw)) + raw)
+    for array in arrays:
+        sock.sendall(memoryview(array).cast("B"))
+
+
+def _recv_exact(sock, view: memoryview) -> None:
+    while view.nbytes:
+        got = sock.recv_into(view)
+        if not got:
+            raise ConnectionError("the prefill worker closed the KV socket")
+        view = view[got:]
+
+
+def _recv_header(sock) -> dict:
+    size = bytearray(4)
+    _recv_exact(sock, memoryview(size))
+    raw = bytearray(struct.unpack("<I", size)[0])
+    _recv_exact(sock, memoryview(raw))
+    return json.loads(raw)
+
+
+def _mooncake(ports):
+    from tract.bench.peers import _mooncake_store
+
+    return _mooncake_store(ports[0], ports[1], SEGMENT_MAX)
+
+
+def _kv_keys(rid: str, layers: int) -> list[str]:
+    return [f"{rid}:{layer}:{part}" for layer in range(layers) for part in "kv"]
+
+
+def prefill_worker(path: str, node: int, config: DemoConfig, requests, handoff, tcp_port,
+                   mooncake_ports) -> None:
+    """Serve requests from ``requests`` until None: prefill with the
+    path's KV route, then hand off to the decode worker."""
+    import torch
+
+    from tract.connector import Connector
+    from tract.pool import Pool
+
+    model, buffer = _model(config), KVBuffer(config)
+    with Pool.open(path, node, populate=True) as pool:
+        connectors = {name: Connector(pool, config.layout(), salt=name, handoff_ttl=60.0)
+                      for name in ("tract", "tract_no_prefix_cache")}
+        sock = store = None
+        if tcp_port:
+            sock = socket.create_connection(("127.0.0.1", tcp_port))
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if mooncake_ports:
+            store = _mooncake(mooncake_ports)
+            store.register_buffer(buffer.kv.ctypes.data, buffer.kv.nbytes)
+        while (request := requests.get()) is not None:
+            started = time.monotonic()
+            prompt, count = request.prompt, request.prompt.size
+            hit = 0
+            if request.path == "tract":
+                connector = connectors["tract"]
+                hit = connector.lookup(prompt) // BLOCK
+                hit = connector.load(prompt[:hit * BLOCK], buffer.blocks(0, hit)) * BLOCK
+            compute = time.monotonic()
+            cache = buffer.cache(hit)
+            out = model(torch.from_numpy(prompt[None, hit:]), past_key_values=cache,
+                        use_cache=True)
+            first = int(out.logits[0, -1].argmax())
+            buffer.fill(cache, hit, count)
+            computed = time.monotonic()
+            message = dict(rid=request.rid, workload=request.workload, path=request.path,
+                           arrival=request.arrival, first=first, tokens=count, hit_tokens=hit,
+                           queued_s=started - request.arrival, compute_s=computed - compute,
+                           node=node, prompt=prompt.tolist())
+            if request.path.startswith("tract"):
+                connector = connectors[request.path]
+                message["ticket"] = connector.offer(request.rid, prompt,
+                                                    buffer.blocks(0, count // BLOCK))
+                connector.release()
+            elif request.path == "mooncake_tcp":
+                keys = _kv_keys(request.rid, config.layers)
+                views = buffer.layers(count)
+                codes = store.batch_put_from(keys, [v.ctypes.data for v in views],
+                                             [v.nbytes for v in views])
+                if any(codes):
+                    raise Unavailable(f"mooncake: batch_put_from returned {codes[:3]}")
+            message["send_s"] = time.monotonic() - computed
+            if request.path == "tcp":
+                message["sent"] = time.monotonic()
+                _send_frame(sock, message, buffer.layers(count))
+            else:
+                message["sent"] = time.monotonic()
+                handoff.send(message)
+        for connector in connectors.values():
+            connector.close()
+        if sock is not None:
+            sock.close()
+        if store is not None:
+            store.close()
+
+
+def decode_worker(path: str, node: int, config: DemoConfig, inbox, handoffs, results,
+                  listener, prefill_workers: int, mooncake_ports) -> None:
+    """Take handed-off requests (from the ``handoffs`` pipes, or a TCP
+    socket per prefill worker), load their KV, generate; results to
+    ``results``, until ``inbox`` says stop."""
+    from multiprocessing.connection import wait
+
+    import torch
+
+    from tract.connector import Connector
+    from tract.pool import Pool
+
+    model, buffer = _model(config), KVBuffer(config)
+    with Pool.open(path, node, populate=True) as pool, contextlib.ExitStack() as stack:
+        connectors = {name: Connector(pool, config.layout(), salt=name)
+                      for name in ("tract", "tract_no_prefix_cache")}
+        for connector in connectors.values():
+            stack.callback(connector.close)
+        store = None
+        if mooncake_ports:
+            store = _mooncake(mooncake_ports)
+            stack.callback(store.close)
+            store.register_buffer(buffer.kv.ctypes.data, buffer.kv.nbytes)
+        sockets = []
+        if listener is not None:
+            for _ in range(prefill_workers):
+                sock = listener.accept()[0]
+                stack.callback(sock.close)
+                sockets.append(sock)
+        while True:
+            for source in wait([inbox, *handoffs, *sockets]):
+                if source is inbox:
+                    inbox.recv()
+                    return
+                if source in sockets:
+                    try:
+                        message = _recv_header(source)
+                    except ConnectionError:  # its prefill worker finished
+                        sockets.remove(source)
+                        continue
+                    began = time.monotonic()
+                    count = message["tokens"]
+                    for view in buffer.layers(count):
+                        _recv_exact(source, memoryview(view).cast("B"))
+                    loaded = count
+                else:
+                    message = source.recv()
+                    began = time.monotonic()
+                    count = message["tokens"]
+                    if message["path"].startswith("tract"):
+                        taken = connectors[message["path"]].take(
+                            message["ticket"], buffer.blocks(0, count // BLOCK))
+                        loaded = taken.blocks * BLOCK
+                    else:  # mooncake_tcp
+                        keys, views = _kv_keys(message["rid"], config.layers), \
+                            buffer.layers(count)
+                        got = store.batch_get_into(keys, [v.ctypes.data for v in views],
+                                                   [v.nbytes for v in views])
+                        loaded = count if all(g == v.nbytes for g, v in zip(got, views)) else 0
+                        store.batch_remove(keys, True)
+                loaded_at = time.monotonic()
+                cache = buffer.cache(loaded)
+                if loaded < count:  # what the pool lacked (evicted, a bad checksum): recompute
+                    prompt = np.asarray(message["prompt"][loaded:], dtype=np.int64)
+                    model(torch.from_numpy(prompt[None]), past_key_values=cache, use_cache=True)
+                ready_at = time.monotonic()  # the first token can go to the client
+                first = message["first"]
+                step = model(torch.tensor([[first]]), past_key_values=cache, use_cache=True)
+                tokens = [first] + _greedy(model, step.logits, cache, config.output_tokens - 1)
+                done = time.monotonic()
+                message.pop("prompt")
+                results.put(dict(message, output=tokens[:config.output_tokens],
+                                 load_s=loaded_at - began, handoff_s=began - message["sent"],
+                                 ttft_s=ready_at - message["arrival"],
+                                 decode_s=done - ready_at, done=done, loaded_tokens=loaded))
+
+
+# ------------------------------------------------------------ orchestrator
+
+def _manage(path: str, stop) -> None:
+    """The pool's lock manager (node 0), as `tract manager` runs it."""
+    from tract.pool import Pool
+
+    with Pool.open(path, MANAGER_NODE) as pool:
+        pool.manager().run(stop)
+
+
+def _mooncake_ports(stack) -> tuple[tuple[int, int] | None, str | None]:
+    """Start a Mooncake master on 127.0.0.1 (stopped with ``stack``):
+    its (rpc, metadata) ports, or None and why not."""
     try:
-        region.fill(0, HEADER_BYTES, 0)
-        region.store_u64(FLAG_OFFSET, MAGIC)
-        region.flush(0, HEADER_BYTES)
-        region.fence()
-        creator_base = region.base
-        region.close()
-        context = multiprocessing.get_context("spawn")
-        results = context.Queue()
-        reader = context.Process(target=_reader, args=(path, results, 60.0))
-        writer = context.Process(target=_writer, args=(path, blocks, block_bytes, 7, results))
-        reader.start()
-        writer.start()
-        report = {}
-        for _ in range(2):
-            item = results.get(timeout=120)
-            report[item.pop("role")] = item
-        writer.join()
-        reader.join()
-        if writer.exitcode or reader.exitcode:
-            raise RuntimeError(f"demo worker failed: writer exit {writer.exitcode}, "
-                               f"reader exit {reader.exitcode}")
-    finally:
-        os.unlink(path)
-    return {
-        "pool": path,
-        "bytes": total,
-        "blocks": blocks,
-        "block_bytes": block_bytes,
-        "cache_control": platform.default_cache_control().as_dict(),
-        "creator_base": creator_base,
-        "writer": report["writer"],
-        "reader": report["reader"],
-        "write_gbps": total / report["writer"]["seconds"] / 1e9,
-        "read_gbps": total / report["reader"]["seconds"] / 1e9,
-        "distinct_bases": len({creator_base, report["writer"]["base"], report["reader"]["base"]}),
-        "verified": not report["reader"]["bad_blocks"] and report["reader"]["blocks"] == blocks,
-    }
+        import mooncake.store  # noqa: F401
+    except ImportError as error:
+        return None, f"mooncake-transfer-engine-non-cuda is not installed ({error})"
+    master, metadata = _free_port(), _free_port()
+    command = ["mooncake_master", "--rpc_address=127.0.0.1", f"--rpc_port={master}",
+               "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
+               f"--http_metadata_server_port={metadata}"]
+    try:
+        stack.enter_context(_server(command, [master, metadata], "mooncake_master"))
+    except Unavailable as why:
+        return None, str(why)
+    return (master, metadata), None
 
 
-def main(quick: bool = False, as_json: bool = False) -> int:
-    report = run(quick=quick)
+def _pool_bytes(config: DemoConfig) -> int:
+    block = config.layout().block_bytes
+    blocks = config.requests * (config.max_tokens // BLOCK) * 2  # both pool paths, unevicted
+    return min(4 << 30, max(256 << 20, blocks * block * 5 // 4))
+
+
+def run(config: DemoConfig, progress: bool = True) -> dict:
+    """Run every workload on every path; returns the report (`main` prints it)."""
+    context = multiprocessing.get_context("fork")
+    prompts = workloads(config)
+    path = os.path.join("/dev/shm", f"tract-demo-{os.getpid()}-{uuid.uuid4().hex[:6]}")
+    from tract.pool import Pool
+
+    unavailable = {}
+    with contextlib.ExitStack() as stack:
+        paths = list(config.paths)
+        ports = None
+        if "mooncake_tcp" in paths:
+            ports, why = _mooncake_ports(stack)
+            if ports is None:
+                paths.remove("mooncake_tcp")
+                unavailable["mooncake_tcp"] = why
+        nodes = config.prefill_workers + 2
+        Pool.create(path, _pool_bytes(config), max_nodes=nodes, lease_timeout=5.0)
+        stack.callback(Pool.destroy, path)
+        stop = context.Event()
+        manager = context.Process(target=_manage, name="lock-manager", args=(path, stop),
+                                  daemon=True)
+        manager.start()
+        stack.callback(manager.join, 30)
+        stack.callback(stop.set)
+        listener = None
+        if "tcp" in paths:
+            listener = stack.enter_context(socket.create_server(("127.0.0.1", 0)))
+        requests, results = context.Queue(), context.Queue()
+        inbox_read, inbox_write = context.Pipe(duplex=False)
+        pipes = [context.Pipe(duplex=False) for _ in range(config.prefill_workers)]
+        decode = context.Process(target=decode_worker, name="decode", args=(
+            path, nodes - 1, config, inbox_read, [r for r, _ in pipes], results, listener,
+            config.prefill_workers, ports))
+        decode.start()
+        prefills = [context.Process(target=prefill_worker, name=f"prefill-{i}", args=(
+            path, 1 + i, config, requests, pipes[i][1],
+            listener.getsockname()[1] if listener else None, ports))
+            for i in range(config.prefill_workers)]
+        for worker in prefills:
+            worker.start()
+
+        def finish():
+            for _ in prefills:
+                requests.put(None)
+            for worker in prefills:
+                worker.join(60)
+            inbox_write.send(None)
+            decode.join(60)
+            for worker in [*prefills, decode]:
+                if worker.is_alive():
+                    worker.kill()
+        stack.callback(finish)
+
+        def phase(items: list[Request], qps: float) -> list[dict]:
+            """Send ``items`` at Poisson arrivals; their results, in order."""
+            gaps = np.random.default_rng(config.seed + len(items)).exponential(1 / qps,
+                                                                              len(items))
+            start = time.monotonic()
+            for item, at in zip(items, np.cumsum(gaps) - gaps[0]):
+                time.sleep(max(0.0, start + at - time.monotonic()))
+                item.arrival = time.monotonic()
+                requests.put(item)
+            out = {}
+            while len(out) < len(items):
+                for worker in [*prefills, decode, manager]:
+                    if worker.exitcode not in (None, 0):
+                        raise RuntimeError(f"demo worker {worker.name} exited with code "
+                                           f"{worker.exitcode}")
+                with contextlib.suppress(Exception):
+                    result = results.get(timeout=1.0)
+                    out[result["rid"]] = result
+                    bar.update(1)
+            return [out[item.rid] for item in items]
+
+        warm = np.arange(4 * BLOCK, dtype=np.int64)
+        total = len(paths) * sum(len(p) for p in prompts.values())
+        bar = _progress(total, progress)
+        # warm-up: the first request of each path on each worker (not measured)
+        bar.total += len(paths) * config.prefill_workers
+        for name in paths:
+            phase([Request(f"warm-{name}-{i}", "warm", name, warm + i)
+                   for i in range(config.prefill_workers)], 50.0)
+        runs = {}
+        for workload, items in prompts.items():
+            for name in paths:
+                runs[(workload, name)] = phase(
+                    [Request(f"{workload}-{name}-{i}", workload, name, prompt)
+                     for i, prompt in enumerate(items)], config.qps)
+        bar.close()
+        with Pool.observe(path) as pool:
+            counters = pool.counters()
+    expected = {}
+    for workload, items in prompts.items():
+        for i, tokens in enumerate(reference(config, items)):
+            expected[(workload, i)] = tokens
+    return _report(config, runs, expected, counters, unavailable)
+
+
+def _progress(total: int, enabled: bool):
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        enabled = False
+    if not enabled:
+        class Quiet:
+            total = 0
+
+            def update(self, _):
+                pass
+
+            def close(self):
+                pass
+        return Quiet()
+    return tqdm(total=total, desc="tract demo", unit="req", file=sys.stderr)
+
+
+def _summary(values: list[float]) -> dict[str, float]:
+    ordered = sorted(values)
+    return {"mean": statistics.fmean(ordered), "p50": float(np.percentile(ordered, 50)),
+            "p99": float(np.percentile(ordered, 99))}
+
+
+def _report(config, runs, expected, counters, unavailable) -> dict:
+    workloads_out, exact = {}, True
+    for (workload, name), results in runs.items():
+        mismatched = [r["rid"] for i, r in enumerate(results)
+                      if r["output"] != expected[(workload, i)]]
+        exact &= not mismatched
+        tokens = sum(r["tokens"] for r in results)
+        span = max(r["done"] for r in results) - min(r["arrival"] for r in results)
+        workloads_out.setdefault(workload, {})[name] = {
+            "requests": len(results),
+            "ttft_s": _summary([r["ttft_s"] for r in results]),
+            "kv_load_s": _summary([r["load_s"] for r in results]),
+            "prefill_compute_s": _summary([r["compute_s"] for r in results]),
+            "hit_rate": sum(r["hit_tokens"] for r in results) / tokens,
+            "throughput_rps": len(results) / span,
+            "output_tokens_per_s": sum(len(r["output"]) for r in results) / span,
+            "kv_bytes_per_request": statistics.fmean(
+                r["tokens"] // BLOCK * config.layout().block_bytes for r in results),
+            "mismatched": mismatched,
+            "ttft_samples_s": [r["ttft_s"] for r in results],
+        }
+    ratios = {}
+    for workload, paths in workloads_out.items():
+        if "tract" in paths and "tcp" in paths:
+            ratios[workload] = paths["tcp"]["kv_load_s"]["mean"] / \
+                paths["tract"]["kv_load_s"]["mean"]
+    return {"token_exact": exact, "config": {k: v for k, v in vars(config).items()
+                                             if k != "extra"},
+            "kv_block_bytes": config.layout().block_bytes, "workloads": workloads_out,
+            "kv_load_speedup_vs_tcp": ratios, "unavailable": unavailable,
+            "pool_counters": {str(node): c for node, c in counters.items()}}
+
+
+def _table(report: dict) -> str:
+    lines = [f"{'workload':<8} {'path':<22} {'TTFT mean':>10} {'p50':>8} {'p99':>8} "
+             f"{'KV load':>9} {'prefill':>8} {'hit':>5} {'req/s':>6}"]
+    for workload, paths in report["workloads"].items():
+        for name, row in paths.items():
+            lines.append(f"{workload:<8} {name:<22} {row['ttft_s']['mean'] * 1e3:8.0f}ms "
+                         f"{row['ttft_s']['p50'] * 1e3:6.0f}ms {row['ttft_s']['p99'] * 1e3:6.0f}ms "
+                         f"{row['kv_load_s']['mean'] * 1e3:7.1f}ms "
+                         f"{row['prefill_compute_s']['mean'] * 1e3:6.0f}ms "
+                         f"{row['hit_rate']:5.2f} {row['throughput_rps']:6.2f}")
+    return "\n".join(lines)
+
+
+def _plots(report: dict, out_dir: str) -> list[str]:
+    """One TTFT CDF per workload, a curve per path (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    for workload, paths in report["workloads"].items():
+        figure, axes = plt.subplots(figsize=(6, 4))
+        for name, row in paths.items():
+            samples = np.sort(np.asarray(row["ttft_samples_s"]) * 1e3)
+            axes.step(samples, np.arange(1, samples.size + 1) / samples.size, where="post",
+                      label=name)
+        axes.set_xlabel("TTFT (ms)")
+        axes.set_ylabel("fraction of requests")
+        axes.set_title(f"TTFT CDF, workload {workload}")
+        axes.grid(alpha=0.3)
+        axes.legend()
+        figure.tight_layout()
+        target = os.path.join(out_dir, f"ttft_cdf_{workload}.png")
+        figure.savefig(target, dpi=100)
+        plt.close(figure)
+        written.append(target)
+    return written
+
+
+def main(quick: bool = False, as_json: bool = False, out_dir: str = "tract-demo-out",
+         config: DemoConfig | None = None) -> int:
+    config = config or (DemoConfig.quick() if quick else DemoConfig())
+    if config.output_tokens < 2 or config.requests < 1:
+        raise ConfigError("the demo needs at least 2 output tokens and 1 request")
+    started = time.monotonic()
+    report = run(config, progress=not as_json)
+    report["seconds"] = time.monotonic() - started
+    os.makedirs(out_dir, exist_ok=True)
+    report["plots"] = _plots(report, out_dir)
+    report["json"] = os.path.join(out_dir, "demo.json")
+    with open(report["json"], "w") as out:
+        json.dump(report, out, indent=2)
     if as_json:
         print(json.dumps(report, indent=2))
-        return 0 if report["verified"] else 1
-    control = report["cache_control"]
-    print(f"tract demo: a pool of {report['bytes'] // MIB} MiB in {report['pool']} "
-          f"(coherence={control['coherence']}, flush={control['flush']}, "
-          f"non-temporal={control['nontemporal']})")
-    print(f"  writer pid {report['writer']['pid']} mapped it at {report['writer']['base']:#x} and "
-          f"streamed {report['blocks']} blocks of {report['block_bytes'] // MIB} MiB: "
-          f"{report['write_gbps']:.1f} GB/s, then published a ready flag (write, flush, fence)")
-    print(f"  reader pid {report['reader']['pid']} mapped it at {report['reader']['base']:#x}, "
-          f"polled the flag (invalidate, fence, read) and read every block: "
-          f"{report['read_gbps']:.1f} GB/s")
-    status = "all checksums match" if report["verified"] else \
-        f"MISMATCH in blocks {report['reader']['bad_blocks']}"
-    print(f"  {report['distinct_bases']} processes, {report['distinct_bases']} base addresses, "
-          f"same bytes at the same offsets: {status}")
-    return 0 if report["verified"] else 1
+        return 0 if report["token_exact"] else 1
+    print(_table(report))
+    for workload, ratio in report["kv_load_speedup_vs_tcp"].items():
+        print(f"{workload}: the decode side loads KV {ratio:.1f}x faster through tract than "
+              f"over TCP")
+    for name, why in report["unavailable"].items():
+        print(f"{name}: not run ({why})")
+    print(f"token_exact: {report['token_exact']} (every request's tokens equal a "
+          f"single-process run of the same model)")
+    print(f"wrote {report['json']} and {', '.join(report['plots'])} in "
+          f"{report['seconds']:.0f} s")
+    return 0 if report["token_exact"] else 1

@@ -149,13 +149,17 @@ class TransferEngine:
             segments = block if isinstance(block, (list, tuple)) else [block]
             total = 0
             for segment in segments:
-                view = _bytes_of(segment)
-                if view.nbytes % piece:
-                    raise ValueError(f"block {row}: a segment of {view.nbytes} bytes is not a "
+                if type(segment) is np.ndarray and segment.flags.c_contiguous:
+                    view, size = segment, segment.nbytes  # taken as is: no view to make
+                else:
+                    view = _bytes_of(segment)
+                    size = view.nbytes
+                if size % piece:
+                    raise ValueError(f"block {row}: a segment of {size} bytes is not a "
                                      f"whole number of {piece}-byte pieces (layer, K/V)")
                 views.append(view)
                 where.append(offset + total)
-                total += view.nbytes
+                total += size
             if total != want:
                 raise ValueError(f"block {row} has {total} bytes; layout {self.layout.model!r} "
                                  f"blocks have {want}")
