@@ -41,6 +41,7 @@ def run_counts(seed, rounds=5, chaos=0.3):
             for step in range(1, rounds + 1):
                 added[node] += step  # first: a reader may see the add before it returns
                 handles[node].stats.add(hit_blocks=step, written_bytes=7 * step)
+                handles[node].stats.publish()
                 pool.clock.sleep(1e-6)
             done.append(node)
         return body
@@ -78,6 +79,7 @@ def _add_many(path, node, times):
     with Pool.open(path, node) as pool:
         for _ in range(times):
             pool.stats.add(pins=1, lock_wait_ns=3)
+            pool.stats.publish()
 
 
 def test_a_nodes_processes_add_without_losing_counts(tmp_path):

@@ -463,6 +463,7 @@ class Pool:
         seen: dict[int, tuple[int, int, int]] = {}
         while not self._stop.wait(self.header.lease_timeout / 4):
             nodes.beat(self.node)
+            self.stats.publish()
             try:
                 self.allocator.drain()
             except TractError as error:  # a corrupt ring must not stop the heartbeat
@@ -521,6 +522,8 @@ class Pool:
     def counters(self) -> dict[int, dict[str, int]]:
         """Every node's counters (`tract.stats.COUNTERS`), read fresh; nodes
         whose counters are all zero are left out."""
+        if self.stats is not None:
+            self.stats.publish()  # this process's counts so far
         table = read_stats(self.region, self.header.stats, self.header.max_nodes)
         return {node: dict(zip(COUNTERS, map(int, row))) for node, row in enumerate(table)
                 if row.any()}
@@ -534,6 +537,8 @@ class Pool:
         for thread in self._threads:
             thread.join()
         self._threads.clear()
+        if self.stats is not None and not self.region.closed:
+            self.stats.publish()
         self._locks.clear()
         self._fast_paths.clear()
         self.allocator.heap = None

@@ -2,9 +2,9 @@
 
 Each node owns `STATS_BYTES` (two lines) of the pool's stats area, one u64
 per counter in `COUNTERS` order.  Only that node's processes write them
-(R2): they add atomically among themselves (one host's caches are
-coherent), then flush the lines and fence, so a reader on another host sees
-each update once the call that made it returns (R3).  A reader drops the
+(R2): each counts in its own memory and publishes every heartbeat, adding
+atomically among the node's processes (one host's caches are coherent),
+then flushing the lines and fencing (R3).  A reader drops the
 whole area from its cache and fences before it reads (R4).  Counters are
 plain counts that only grow; nothing read here is used as an offset, so R5
 asks nothing more of them.
@@ -15,6 +15,8 @@ Names follow Prometheus conventions when exported (`tract stat
 """
 
 from __future__ import annotations
+
+import threading
 
 import numpy as np
 
@@ -48,20 +50,33 @@ _WORDS = STATS_BYTES // 8
 
 
 class NodeStats:
-    """This node's counters (``node``'s `STATS_BYTES` at ``base``)."""
+    """This node's counters (``node``'s `STATS_BYTES` at ``base``).
+
+    `add` only counts in this process (no pool access, so no flush or fence
+    lands inside a protocol's steps); `publish` adds what was counted to the
+    pool's lines and makes it visible.  A pool's heartbeat thread publishes
+    every beat, and `Pool.counters` and `Pool.close` publish first."""
 
     def __init__(self, region, base: int, node: int):
         self.region, self.offset = region, base + node * STATS_BYTES
+        self._pending = np.zeros(_WORDS, dtype=np.uint64)
+        self._mutex = threading.Lock()
 
     def add(self, **deltas: int) -> None:
-        """Add to the named counters; in memory for other hosts on return."""
-        words = np.zeros(_WORDS, dtype=np.uint64)
+        """Count (published by the next `publish`)."""
         for name, delta in deltas.items():
             if name not in _INDEX:
                 raise ValueError(f"no pool counter named {name!r}; known: {list(COUNTERS)}")
             if delta < 0:
                 raise ValueError(f"pool counters only grow: {name} += {delta}")
-            words[_INDEX[name]] = delta
+        with self._mutex:
+            for name, delta in deltas.items():
+                self._pending[_INDEX[name]] += np.uint64(delta)
+
+    def publish(self) -> None:
+        """Add the counts so far to the pool: in memory on return (R3)."""
+        with self._mutex:
+            words, self._pending = self._pending, np.zeros(_WORDS, dtype=np.uint64)
         if not words.any():
             return
         self.region.local_add_u64s(self.offset, words)
