@@ -45,7 +45,7 @@ import struct
 import sys
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
@@ -79,7 +79,6 @@ class DemoConfig:
     prefill_workers: int = 2
     seed: int = 0
     paths: tuple = PATHS
-    extra: dict = field(default_factory=dict)
 
     @classmethod
     def quick(cls) -> DemoConfig:
@@ -315,11 +314,10 @@ def prefill_worker(path: str, node: int, config: DemoConfig, requests, handoff, 
                 if any(codes):
                     raise Unavailable(f"mooncake: batch_put_from returned {codes[:3]}")
             message["send_s"] = time.monotonic() - computed
+            message["sent"] = time.monotonic()
             if request.path == "tcp":
-                message["sent"] = time.monotonic()
                 _send_frame(sock, message, buffer.layers(count))
             else:
-                message["sent"] = time.monotonic()
                 handoff.send(message)
         for connector in connectors.values():
             connector.close()
@@ -589,8 +587,7 @@ def _report(config, runs, expected, counters, unavailable) -> dict:
         if "tract" in paths and "tcp" in paths:
             ratios[workload] = paths["tcp"]["kv_load_s"]["mean"] / \
                 paths["tract"]["kv_load_s"]["mean"]
-    return {"token_exact": exact, "config": {k: v for k, v in vars(config).items()
-                                             if k != "extra"},
+    return {"token_exact": exact, "config": asdict(config),
             "kv_block_bytes": config.layout().block_bytes, "workloads": workloads_out,
             "kv_load_speedup_vs_tcp": ratios, "unavailable": unavailable,
             "pool_counters": {str(node): c for node, c in counters.items()}}
