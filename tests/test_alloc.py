@@ -94,7 +94,8 @@ def run_alloc(seed, nodes=3, rounds=4, chaos=0.2, crash=None):
                 if handoff and rng.random() < 0.7:
                     _free_handed(allocator, *handoff.pop())
                 if rng.random() < 0.5:
-                    handoff.append((mine.pop(0), node))
+                    first = mine.pop(0)
+                    handoff.append((first, allocator.owner_fresh(first)))
                 elif len(mine) > 1:
                     _free(allocator, mine.pop(0))
             for first in mine:
@@ -105,19 +106,20 @@ def run_alloc(seed, nodes=3, rounds=4, chaos=0.2, crash=None):
             return node
         return body
 
-    def _free(allocator, first):
+    def _free(allocator, first, owner=None):
         count = allocator.owner_fresh(first).run
         for chunk in range(first, first + count):
-            held.pop(chunk, None)
-        allocator.free_chunks(first, timeout=50 * SIM_LEASE)
+            if owner is None or held.get(chunk) == owner.node:
+                held.pop(chunk, None)
+        allocator.free_chunks(first, timeout=50 * SIM_LEASE, owner=owner)
 
     def _free_handed(allocator, first, owner):
-        if owner in pool.crashed:  # a dead node's chunks are reclaimed, not freed
+        if owner.node in pool.crashed:  # a dead node's chunks are reclaimed, not freed
             return
-        try:
-            _free(allocator, first)
+        try:  # the owner may die while this free waits for the lock, its extent reclaimed
+            _free(allocator, first, owner)  # and given to another node: then not freed
         except ValueError:
-            if owner not in pool.crashed:
+            if owner.node not in pool.crashed:
                 raise  # only a node that died meanwhile loses its chunks to a reclaim
 
 

@@ -346,31 +346,40 @@ class Allocator:
         region.store_u64(layout.cursor_line, (first + count) % self.nchunks)
         region.flush(layout.cursor_line, LINE)  # fenced by the lock's release (R3)
 
-    def free_chunks(self, first: int, timeout: float | None = None, kind: int = HEAD) -> int:
+    def free_chunks(self, first: int, timeout: float | None = None, kind: int = HEAD,
+                    owner: Owner | None = None) -> int:
         """Give back the extent (or, ``kind=SLAB``, the slab chunk) starting
-        at ``first``; returns its length in chunks."""
+        at ``first``; returns its length in chunks.  ``owner``: the record
+        the caller read when it was handed the extent; the free happens only
+        if the chunk still holds that allocation (a dead owner's extent may
+        have been reclaimed and given to another node meanwhile), else
+        `ValueError`."""
         lock = self._lock()
         lock.acquire(timeout)
         try:
-            count = -1 if self.fast is None or lock.fast is None else \
+            count = -1 if self.fast is None or lock.fast is None or owner is not None else \
                 self.fast.free(first, kind, lock.fast)
             if count < 0:
-                count = self._extent(first, kind)
+                count = self._extent(first, kind, owner)
                 lock.check()
                 self._release(first, count)
         finally:
             lock.release()
         return count
 
-    def _extent(self, first: int, kind: int) -> int:
+    def _extent(self, first: int, kind: int, owner: Owner | None = None) -> int:
         """Chunks of the extent or slab chunk (``kind``) starting at
-        ``first``, its records checked (R5; under the lock)."""
+        ``first``, its records checked (R5; under the lock) and, when
+        ``owner`` is given, still that allocation."""
         region = self.region
         head = self.owner_fresh(first)
         if head.kind != kind:
             raise ValueError(f"chunk {first} (offset {self.offset_of(first)}) does not start "
                              f"{'an extent' if kind == HEAD else 'a slab chunk'}: its owner "
                              f"record says {KINDS[head.kind]}")
+        if owner is not None and head != owner:
+            raise ValueError(f"chunk {first} (offset {self.offset_of(first)}) no longer holds "
+                             f"the allocation {owner}: it was reclaimed and now holds {head}")
         count = head.run if kind == HEAD else 1
         if count > 1:
             self._fresh_owners(first + 1, count - 1)
