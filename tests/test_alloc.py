@@ -394,6 +394,25 @@ def test_bad_frees_are_refused_and_lose_nothing(pool_path):
         assert fsck(pool_path, watch=False)["ok"]
 
 
+def test_a_free_naming_its_owner_spares_a_reallocated_extent(pool_path):
+    _create(pool_path)
+    with Pool.open(pool_path, 0, manager=True) as pool:
+        allocator = pool.allocator
+        first = allocator.alloc_chunks(2)
+        current = allocator.owner_fresh(first)
+        # what a freer holds when the extent it was handed went to a reclaim and
+        # then to another allocation: a record of another epoch, or another process
+        for stale in (current._replace(epoch=current.epoch + 1),
+                      current._replace(pid=current.pid + 1)):
+            with pytest.raises(ValueError, match="no longer holds the allocation"):
+                allocator.free_chunks(first, owner=stale)
+            assert allocator.owner_fresh(first) == current  # untouched
+        assert allocator.free_chunks(first, owner=current) == 2
+        with pytest.raises(ValueError, match="does not start an extent"):
+            allocator.free_chunks(first, owner=current)
+        assert fsck(pool_path, watch=False)["ok"]
+
+
 def test_pool_full_is_clear_and_harmless(pool_path):
     _create(pool_path, size=2 << 20)
     with Pool.open(pool_path, 0, manager=True) as pool:

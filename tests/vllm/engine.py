@@ -59,6 +59,7 @@ def main(spec_path: str) -> None:
         layout = getattr(get_kv_transfer_group(), "layout", None)
         if layout is not None:
             report["layout"] = dataclasses.asdict(layout)
+    llm.llm_engine.engine_core.shutdown()  # the connectors' shutdown: pool counters published
     with open(spec["out"], "w") as sink:
         json.dump(report, sink)
 

