@@ -81,7 +81,7 @@ def test_demo_hands_kv_through_the_pool_token_exact(tmp_path):
     for paths in report["workloads"].values():
         assert {"tract", "tcp", "tract_no_prefix_cache"} <= set(paths)
         for row in paths.values():
-            assert row["mismatched"] == [] and row["requests"] == 6
+            assert row["mismatched"] == [] and row["requests"] == 5
             assert set(row["ttft_s"]) == {"mean", "p50", "p99"} and row["kv_load_s"]["mean"] > 0
         assert paths["tract"]["hit_rate"] > 0 and paths["tcp"]["hit_rate"] == 0
     assert report["workloads"]["hit75"]["tract"]["hit_rate"] > \

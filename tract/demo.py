@@ -82,7 +82,7 @@ class DemoConfig:
 
     @classmethod
     def quick(cls) -> DemoConfig:
-        return cls(input_tokens=1024, output_tokens=32, requests=6, qps=1.5,
+        return cls(input_tokens=1024, output_tokens=32, requests=5, qps=1.5,
                    prefill_workers=1)
 
     @property
