@@ -190,13 +190,13 @@ def run_ring(seed, count=40, chaos=0.3):
     def sender(host):
         ring = FreeRing(host, handles[0].alloc_layout, 0, 1)
         for offset in sent:
-            while not ring.push(offset):
+            while not ring.push(offset, 1):
                 pool.clock.sleep(1e-5)
 
     def receiver(host):
         ring = FreeRing(host, handles[1].alloc_layout, 0, 1)
         while len(received) < count:
-            received.extend(ring.drain())
+            received.extend(ring.drain(1))
             pool.clock.sleep(1e-5)
 
     pool.run(sender, receiver)
@@ -224,10 +224,10 @@ def run_ring_idle_receiver(seed):
     def sender(host):
         ring = FreeRing(host, handles[0].alloc_layout, 0, 1)
         for offset in range(4096, 4096 + 8 * RING_SLOTS, 8):
-            assert ring.push(offset)
+            assert ring.push(offset, 1)
         sent.append(True)
         for _ in range(200):
-            if ring.push(1 << 20):
+            if ring.push(1 << 20, 1):
                 return
             pool.clock.sleep(1e-5)
         raise AssertionError("the drained ring never showed free space to the sender")
@@ -236,7 +236,7 @@ def run_ring_idle_receiver(seed):
         ring = FreeRing(host, handles[1].alloc_layout, 0, 1)
         while not sent:
             pool.clock.sleep(1e-5)
-        drained.extend(ring.drain())
+        drained.extend(ring.drain(1))
         pool.clock.sleep(1.0)  # idle: no more drains
 
     pool.run(sender, receiver)
@@ -411,6 +411,24 @@ def test_a_free_naming_its_owner_spares_a_reallocated_extent(pool_path):
         with pytest.raises(ValueError, match="does not start an extent"):
             allocator.free_chunks(first, owner=current)
         assert fsck(pool_path, watch=False)["ok"]
+
+
+def test_a_remote_free_queued_for_a_dead_incarnation_is_dropped(pool_path):
+    """What a sender queued for a node's last incarnation never reaches the
+    next one: those slabs went with it, and their chunks may be slabs of
+    the new incarnation again, whose blocks the stale free would free."""
+    _create(pool_path)
+    with Pool.open(pool_path, 0, manager=True) as pool:
+        ring = FreeRing(pool.region, pool.alloc_layout, 1, 0)
+        old, new = pool.epoch - 1, pool.epoch
+        assert ring.push(pool.header.heap + 4096, old)
+        assert ring.push(pool.header.heap + 8192, new)
+        # the tag is the epoch's low 16 bits: 65536 incarnations apart look alike
+        assert ring.push(pool.header.heap + 12288, new + (1 << 16))
+        assert ring.drain(new) == [pool.header.heap + 8192, pool.header.heap + 12288]
+        assert ring.drain(new) == []
+        with pytest.raises(ValueError, match="does not fit a free-ring entry"):
+            ring.push(1 << 48, new)
 
 
 def test_pool_full_is_clear_and_harmless(pool_path):

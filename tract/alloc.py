@@ -56,12 +56,16 @@ from tract._native._nodeheap import NOT_MINE
 from tract._native._region import Region
 from tract.errors import CorruptionError, PoolFull
 from tract.lease import ALIVE, LINE
+from tract.testing import faults
 
 __all__ = ["AllocLayout", "Allocator", "FreeRing", "KINDS"]
 
 OWNER_BYTES = 32
 _RECORD = struct.Struct("<4Q")  # owner word (node + 1 | kind << 16 | pid << 32), epoch, run
 RING_SLOTS = 32
+# a free-ring entry: the offset, and the receiver's epoch's low bits above it
+OFFSET_BITS, TAG_BITS = 48, 16
+OFFSET_MASK, TAG_MASK = (1 << OFFSET_BITS) - 1, (1 << TAG_BITS) - 1
 BITS_PER_LINE = LINE * 8
 
 # owner record kinds
@@ -116,7 +120,13 @@ class AllocLayout:
 
 class FreeRing:
     """The remote-free ring from ``sender`` to ``receiver``: slots and head
-    written by the sender, tail by the receiver; counters only grow."""
+    written by the sender, tail by the receiver; counters only grow.
+
+    Each entry names the receiver's incarnation it was meant for (its epoch's
+    low `TAG_BITS` bits above the offset): a node that died and came back
+    drops what was queued for its last incarnation, whose slabs went with it
+    (the chunks may since be slabs again, of the new incarnation, whose
+    blocks a stale free would free while in use)."""
 
     def __init__(self, region, layout: AllocLayout, sender: int, receiver: int):
         self.region = region
@@ -133,13 +143,17 @@ class FreeRing:
             raise CorruptionError(f"{self.where}: head {head}, tail {tail}")
         return head, tail
 
-    def push(self, offset: int) -> bool:
-        """Queue ``offset``; False when the ring is full."""
+    def push(self, offset: int, epoch: int) -> bool:
+        """Queue ``offset`` for the receiver's incarnation ``epoch``; False
+        when the ring is full."""
+        if not 0 < offset < 1 << OFFSET_BITS:
+            raise ValueError(f"offset {offset} does not fit a free-ring entry "
+                             f"({OFFSET_BITS} bits)")
         head, tail = self._counters()
         if head - tail == RING_SLOTS:
             return False
         slot = self.slots + (head % RING_SLOTS) * 8
-        self.region.store_u64(slot, offset)
+        self.region.store_u64(slot, offset | (epoch & TAG_MASK) << OFFSET_BITS)
         self.region.flush(slot, 8)
         self.region.fence()  # the slot is in memory before the head says so (R3)
         self.region.store_u64(self.head_line, head + 1)
@@ -147,15 +161,18 @@ class FreeRing:
         self.region.fence()
         return True
 
-    def drain(self) -> list[int]:
-        """Take every queued offset (receiver side)."""
+    def drain(self, epoch: int) -> list[int]:
+        """Take every queued entry (receiver side); returns the offsets
+        queued for incarnation ``epoch`` (the others are dropped)."""
         head, tail = self._counters()
         if head == tail:
             return []
         self.region.invalidate(self.slots, RING_SLOTS * 8)
         self.region.fence()
-        offsets = [self.region.load_u64(self.slots + (seq % RING_SLOTS) * 8)
-                   for seq in range(tail, head)]
+        words = [self.region.load_u64(self.slots + (seq % RING_SLOTS) * 8)
+                 for seq in range(tail, head)]
+        tag = epoch & TAG_MASK
+        offsets = [word & OFFSET_MASK for word in words if word >> OFFSET_BITS == tag]
         self.region.store_u64(self.tail_line, head)
         self.region.flush(self.tail_line, LINE)
         self.region.fence()
@@ -292,6 +309,7 @@ class Allocator:
         lock = self._lock()
         lock.acquire(timeout)
         try:
+            faults.point("alloc.locked")
             first = -1 if self.fast is None or lock.fast is None else \
                 self.fast.alloc(count, kind, owner, self.pool.epoch, lock.fast)
             if first < 0:
@@ -357,6 +375,7 @@ class Allocator:
         lock = self._lock()
         lock.acquire(timeout)
         try:
+            faults.point("free.locked")
             count = -1 if self.fast is None or lock.fast is None or owner is not None else \
                 self.fast.free(first, kind, lock.fast)
             if count < 0:
@@ -561,7 +580,7 @@ class Allocator:
         ring = FreeRing(self.region, self.layout, self.node, owner.node)
         backoff = self.pool.space.backoff()
         start = self.pool.clock.now()
-        while not ring.push(offset):
+        while not ring.push(offset, owner.epoch):
             if self.dead_owner(owner, False):
                 return  # its slabs go back with its chunks
             if self.pool.clock.now() - start > 4 * self.pool.header.lease_timeout:
@@ -581,7 +600,8 @@ class Allocator:
         for sender in range(self.layout.max_nodes):
             if sender == self.node:
                 continue
-            for offset in FreeRing(self.region, self.layout, sender, self.node).drain():
+            for offset in FreeRing(self.region, self.layout, sender,
+                                   self.node).drain(self.pool.epoch):
                 try:
                     if self.heap.free(offset) == NOT_MINE:
                         raise ValueError(f"offset {offset} is in no slab of node {self.node}")

@@ -231,6 +231,7 @@ class Connector:
         keys = self.keys(tokens_or_hashes)[:len(blocks)]
         self.store(keys, blocks)
         hits = self.index.pin(keys)
+        faults.point("handoff.pinned")
         deadline = self.pool.clock.wall() + (self.ttl if ttl is None else ttl)
         nonce = int.from_bytes(os.urandom(8), "little") | 1
         chosen = np.ascontiguousarray(hits.entries[:, :2]).tobytes()
@@ -323,6 +324,7 @@ class Connector:
         """Drop an offer's pins; its record is freed a lease after its
         deadline (`_mark_taken`)."""
         self.index.unpin(offer.hits)
+        faults.point("handoff.released")
         free_at = offer.deadline + self.pool.header.lease_timeout
         heapq.heappush(self._retired, (free_at, offer.record))
 

@@ -60,6 +60,7 @@ from tract._kernels.probe import (CONTINUE, EVICTING, FREE, HIT, READY, TOKENS_M
 from tract.errors import CorruptionError, PoolFull
 from tract.lease import LINE
 from tract._native._region import INSTRUCTIONS, Region
+from tract.testing import faults
 
 __all__ = ["Hit", "Hits", "Index", "Reservation", "Reservations", "STAMP_HZ"]
 
@@ -583,6 +584,7 @@ class Index:
             # as reserved, but for the slot's reach (other keys' reserves raise it)
             count = probe.finished(entries, expected, state, sums, ours, done)
             lock.check()
+            faults.point("publish.locked")
             self._write(slots[ours], done[:count])
         return ours
 
@@ -621,6 +623,7 @@ class Index:
                 self._set_state(marked, EVICTING)
                 self._write(slots[chosen], marked)
                 self.region.fence()  # EVICTING is in memory before the pins are dropped and read
+                faults.point("evict.marked")
                 pins, _ = self._pins(slots[chosen], live)
                 marked[:, 2] += np.uint64(1)
                 evicted = pins == 0

@@ -66,6 +66,7 @@ import typing
 from tract._native import _lockfast
 from tract.errors import ConfigError, CorruptionError, LeaseLost, LockTimeout
 from tract.lease import Backoff, Clock, Liveness, NodeTable
+from tract.testing import faults
 
 __all__ = ["COHORT_PASSES", "LOCK_MODES", "Lock", "LockLayout", "LockManager", "LockSpace"]
 
@@ -537,6 +538,7 @@ class LockManager:
                 grant.holder, grant.state, grant.seq = node, GRANTED, req
                 grant.epoch = (grant.epoch + 1) & MASK64
                 self._next[lock] = (node + 1) % count
+                faults.point("manager.grant")
                 self._write(lock)
                 return
         if grant.state != NONE:
@@ -716,6 +718,11 @@ class Lock:
     def acquire(self, timeout: float | None = None) -> int:
         """Take the lock; returns its epoch.  Raises `LockTimeout` after
         ``timeout`` seconds, naming the holder."""
+        epoch = self._acquire(timeout)
+        faults.point("lock.acquired")
+        return epoch
+
+    def _acquire(self, timeout: float | None) -> int:
         fast = self.fast
         if fast is not None:
             start = None if timeout is None else self.global_lock.space.clock.now()
@@ -771,6 +778,7 @@ class Lock:
             raise
 
     def release(self) -> None:
+        faults.point("lock.release")
         if self.fast is not None:
             self.fast.release()
             return

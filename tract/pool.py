@@ -42,7 +42,7 @@ from tract import platform
 from tract._native._localmutex import LocalMutex
 from tract._native._lockfast import SLOT_BYTES, ManagerFastPath
 from tract._native._nodeheap import NodeHeap, heap_bytes
-from tract.alloc import AllocLayout, Allocator, pid_alive
+from tract.alloc import OFFSET_BITS, AllocLayout, Allocator, pid_alive
 from tract.errors import ConfigError, CorruptionError, TractError
 from tract.lease import ALIVE, LINE, Clock, NodeTable
 from tract.lock import (COHORT_PASSES, LOCK_MODES, Lock, LockLayout, LockManager, LockSpace,
@@ -142,6 +142,9 @@ def format_pool(region, *, max_nodes: int = 16, locks=DEFAULT_LOCKS, max_locks: 
     for name in ("alloc", "objects"):
         if name not in locks:
             raise ConfigError(f"the pool needs a lock named {name!r}; locks are {list(locks)}")
+    if region.size > 1 << OFFSET_BITS:
+        raise ConfigError(f"a pool holds at most {1 << OFFSET_BITS} bytes (offsets in free-ring "
+                          f"entries have {OFFSET_BITS} bits), got {region.size}")
     areas = _areas(region.size, max_nodes, max_locks, chunk_size, max_objects, index_capacity)
     if areas["nchunks"] < 1:
         raise ConfigError(f"a pool for {max_nodes} nodes, {max_locks} locks, {max_objects} "

@@ -1,24 +1,69 @@
-"""Named kill points: a process dies by SIGKILL at a chosen point of a
-protocol, as a crashing host would, so tests can prove that the rest of the
-rack survives it (R6: every claim it held is a lease).
+"""Named kill points, and a kill -9 campaign over them.
 
-A point is armed from the environment, read once at import:
-``TRACT_KILL_POINT=<name>`` and, optionally, ``TRACT_KILL_AFTER=<n>`` (die
-at the n-th time the point is reached, default 1).  Unarmed, `point` is one
-comparison.
+A process dies by SIGKILL at a chosen point of a protocol, as a crashing
+host would, so tests can prove that the rest of the rack survives it (R6:
+every claim it held is a lease).
 
-Points: ``store.copied`` (`Connector.store`: payloads copied into reserved
-blocks, not yet published).
+A point is armed from the environment, read once at import
+(``TRACT_KILL_POINT=<name>``, ``TRACT_KILL_AFTER=<n>``: die the n-th time
+the point is reached, default 1), or in a process by `arm`.  Unarmed,
+`point` is one comparison.
+
+Points (`POINTS`):
+
+``lock.acquired`` / ``lock.release``
+    a pool lock just granted to this process / about to be given back;
+``manager.grant``
+    the lock manager has chosen the next holder, its grant line not written;
+``alloc.locked`` / ``free.locked``
+    inside the allocator's global lock, before an extent is taken / freed;
+``store.copied``
+    `Connector.store`: payloads copied into reserved blocks, not published;
+``publish.locked``
+    under the index lock, the entries checked, READY not yet written;
+``evict.marked``
+    eviction: entries marked EVICTING (in memory), pins not yet read;
+``handoff.pinned`` / ``handoff.released``
+    `Connector.offer`: blocks pinned, no handoff record yet / an offer's
+    pins dropped, its record not yet queued for freeing.
+
+The campaign (`campaign`; ``python -m tract.testing.faults --points N
+--seed S [--json]``) runs worker processes on several node ids over one
+pool (manager locks, every worker a standby manager).  Each runs a mixed
+workload (store, lookup and load, P/D offer and take, raw alloc and free,
+eviction) on self-describing payloads, armed with a random point; it dies
+there by SIGKILL and is restarted on its node as a new incarnation.  The
+checks:
+
+- after each kill, every survivor completes an operation within
+  `recovery_bound` (the lease, plus the time for the stale heartbeat to
+  be seen and a standby manager to take over);
+- no load or take serves bytes other than the key's own (a torn, stale or
+  foreign block): workers compare every block they get;
+- after each round, with every worker stopped and the leases lapsed,
+  ``fsck --repair`` leaves a pool that checks clean: every chunk free,
+  owned by a live node or referenced (none leaked).
+
+Exit status 1 on any violation.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import random
 import signal
+import sys
+import time
+import traceback
+import uuid
 
-__all__ = ["POINTS", "point"]
+__all__ = ["POINTS", "arm", "campaign", "point", "recovery_bound"]
 
-POINTS = ("store.copied",)
+POINTS = ("lock.acquired", "lock.release", "manager.grant", "alloc.locked", "free.locked",
+          "store.copied", "publish.locked", "evict.marked", "handoff.pinned",
+          "handoff.released")
 
 _ARMED = os.environ.get("TRACT_KILL_POINT") or None
 _AFTER = int(os.environ.get("TRACT_KILL_AFTER", "1"))
@@ -30,6 +75,17 @@ if _AFTER < 1:
 _reached = 0
 
 
+def arm(name: str | None, after: int = 1) -> None:
+    """Arm ``name`` in this process (None disarms): die the ``after``-th
+    time it is reached from now."""
+    global _ARMED, _AFTER, _reached
+    if name is not None and name not in POINTS:
+        raise ValueError(f"{name!r} is not a kill point; the points are {', '.join(POINTS)}")
+    if after < 1:
+        raise ValueError(f"after must be at least 1, got {after}")
+    _ARMED, _AFTER, _reached = name, after, 0
+
+
 def point(name: str) -> None:
     """Die here by SIGKILL if ``name`` is the armed point and this is the
     armed time it is reached."""
@@ -39,3 +95,325 @@ def point(name: str) -> None:
     _reached += 1
     if _reached >= _AFTER:
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+# ---------------------------------------------------------------- campaign
+
+BLOCK_TOKENS = 16
+PROMPT_BLOCKS = 4
+FAMILIES = 12  # prompts k share their first two blocks with the others of family k // 4
+
+
+def recovery_bound(lease: float) -> float:
+    """How long after a kill every survivor must have made progress: one
+    lease for the dead node's heartbeat to go stale, one more for a standby
+    manager to see it and take over, and scheduling slack."""
+    return 4 * lease + 1.0
+
+
+def _layout():
+    from tract.transfer import KVLayout
+
+    return KVLayout(model="tract-faults", dtype="uint8", num_layers=1, num_kv_heads=1,
+                    head_size=256, block_size=BLOCK_TOKENS)
+
+
+def _tokens(prompt: int):
+    """Prompt ``prompt``'s tokens: two blocks of its family's prefix, two of its own."""
+    import numpy as np
+
+    family = np.random.default_rng(1_000_003 * (prompt // 4)).integers(
+        0, 50_000, 2 * BLOCK_TOKENS)
+    own = np.random.default_rng(prompt).integers(0, 50_000, (PROMPT_BLOCKS - 2) * BLOCK_TOKENS)
+    return np.concatenate([family, own]).astype(np.int64)
+
+
+def _payload(prompt: int, block: int, size: int):
+    """Block ``block`` of prompt ``prompt``: bytes that name it (a shared
+    prefix block names its family), so a torn, stale or foreign copy shows."""
+    import numpy as np
+
+    owner = (prompt // 4, block) if block < 2 else (FAMILIES * 4 + prompt, block)
+    words = np.random.default_rng(owner).integers(0, 2**63, size // 8, dtype=np.int64)
+    words[0], words[1] = owner
+    return words.view(np.uint8)
+
+
+TICKET_BYTES = 96
+
+
+class TicketBoard:
+    """The latest offer of each worker, in shared memory (a seqlock per
+    slot: its writer makes the sequence odd, writes, makes it even), so a
+    worker killed mid-write blocks nobody and a torn slot is skipped."""
+
+    def __init__(self, context, slots: int):
+        self.sequence = context.Array("q", slots, lock=False)
+        self.data = context.Array("c", slots * TICKET_BYTES, lock=False)
+
+    def post(self, slot: int, prompt: int, ticket: str) -> None:
+        text = f"{prompt} {ticket}".encode().ljust(TICKET_BYTES)
+        self.sequence[slot] += 1
+        self.data[slot * TICKET_BYTES:(slot + 1) * TICKET_BYTES] = text
+        self.sequence[slot] += 1
+
+    def read(self, slot: int) -> tuple[int, str] | None:
+        before = self.sequence[slot]
+        text = self.data[slot * TICKET_BYTES:(slot + 1) * TICKET_BYTES]
+        if before % 2 or before == 0 or self.sequence[slot] != before:
+            return None
+        prompt, ticket = text.decode().split()
+        return int(prompt), ticket
+
+
+def _worker(path, node, seed, point_name, after, stop, progress, failures, tickets,
+            lease) -> None:
+    """One worker process: the mixed workload until ``stop``, or death at
+    its armed point; a violation goes to ``failures``."""
+    import numpy as np
+
+    from tract.connector import Connector
+    from tract.errors import PoolFull
+    from tract.pool import Pool
+
+    arm(point_name, after)
+    rng = random.Random(seed)
+    layout = _layout()
+    size = layout.block_bytes
+    prompts = FAMILIES * 4
+
+    def expected(prompt):
+        return [_payload(prompt, b, size) for b in range(PROMPT_BLOCKS)]
+
+    def check(prompt, got, count, how):
+        for block in range(count):
+            if not np.array_equal(got[block], _payload(prompt, block, size)):
+                failures.put(f"node {node}: {how} of prompt {prompt} served block {block} with "
+                             f"other bytes (torn, stale or foreign)")
+                return
+
+    try:
+        with Pool.open(path, node, manager=True) as pool:
+            connector = Connector(pool, layout, handoff_ttl=8 * lease, timeout=40 * lease)
+            held, serial = [], 0
+            while not stop.is_set():
+                prompt = rng.randrange(prompts)
+                tokens = _tokens(prompt)
+                out = [np.zeros(size, np.uint8) for _ in range(PROMPT_BLOCKS)]
+                operation = rng.random()
+                try:
+                    if operation < 0.25:
+                        connector.store(tokens, expected(prompt))
+                    elif operation < 0.5:
+                        hit = connector.lookup(tokens) // BLOCK_TOKENS
+                        check(prompt, out, connector.load(tokens[:hit * BLOCK_TOKENS], out[:hit]),
+                              "load")
+                    elif operation < 0.62:
+                        serial += 1
+                        tickets.post(node, prompt, connector.offer(f"{node}-{serial}", tokens,
+                                                                   expected(prompt)))
+                    elif operation < 0.74:
+                        posted = tickets.read(rng.randrange(1, len(progress)))
+                        if posted is not None:
+                            taken = connector.take(posted[1], out)
+                            check(posted[0], out, taken.blocks, "take")
+                    elif operation < 0.84:
+                        connector.release()
+                    elif operation < 0.94:
+                        if len(held) > 3 or (held and rng.random() < 0.5):
+                            pool.free(held.pop(rng.randrange(len(held))))
+                        else:
+                            held.append(pool.alloc(rng.choice((3000, 70_000, 300_000))))
+                    else:
+                        pool.index.evict(2)
+                except PoolFull:
+                    if held:
+                        pool.free(held.pop())
+                progress[node] += 1
+            for offset in held:
+                pool.free(offset)
+            connector.close()
+    except BaseException:
+        failures.put(f"node {node}: {traceback.format_exc(limit=6)}")
+        raise SystemExit(1)
+
+
+def _start(context, args):
+    process = context.Process(target=_worker, args=args, daemon=True)
+    process.start()
+    return process
+
+
+def _warm_up(path: str) -> None:
+    """Compile every kernel the workers run, once, before they fork."""
+    import numpy as np
+
+    from tract.connector import Connector
+    from tract.pool import Pool
+
+    with Pool.open(path, 0, manager=True) as pool:
+        connector = Connector(pool, _layout())
+        size = connector.layout.block_bytes
+        tokens = _tokens(0)
+        blocks = [_payload(0, b, size) for b in range(PROMPT_BLOCKS)]
+        out = [np.zeros(size, np.uint8) for _ in range(PROMPT_BLOCKS)]
+        connector.store(tokens, blocks)
+        connector.load(tokens[:connector.lookup(tokens)], out)
+        connector.take(connector.offer("warm", _tokens(1), blocks), out)
+        connector.release()
+        pool.free(pool.alloc(300_000))
+        pool.index.evict(2)
+        connector.close()
+
+
+def campaign(points: int, seed: int = 0, workers: int = 3, lease: float = 0.25,
+             kills_per_round: int = 12, progress_bar: bool = False) -> dict:
+    """Kill ``points`` workers at random points (seeded); returns
+    ``{"points", "violations", "recovered_s_max", ...}``."""
+    import multiprocessing
+
+    from tract.fsck import fsck
+    from tract.pool import Pool
+
+    if points < 1 or workers < 2:
+        raise ValueError(f"a campaign needs at least 1 kill point and 2 workers, got "
+                         f"points={points}, workers={workers}")
+    rng = random.Random(seed)
+    context = multiprocessing.get_context("fork")
+    path = os.path.join("/dev/shm", f"tract-faults-{os.getpid()}-{uuid.uuid4().hex[:6]}")
+    Pool.create(path, 24 << 20, chunk_size=256 << 10, max_nodes=workers + 1,
+                index_capacity=512, lock_mode="manager", lease_timeout=lease)
+    violations, recoveries, by_point = [], [], dict.fromkeys(POINTS, 0)
+    rounds = operations = 0
+    bound = recovery_bound(lease)
+    try:
+        _warm_up(path)
+        time.sleep(1.5 * lease)  # node 0's lease lapses: workers' managers take over
+        progress = context.Array("q", workers + 1, lock=False)
+        failures, tickets = context.Queue(), TicketBoard(context, workers + 1)
+        killed = 0
+        while killed < points:
+            rounds += 1
+            stop = context.Event()
+            running: dict[int, tuple] = {}
+
+            def launch(node):
+                name = rng.choice(POINTS)
+                process = _start(context, (path, node, rng.getrandbits(32), name,
+                                           rng.randint(1, 3), stop, progress, failures,
+                                           tickets, lease))
+                running[node] = (process, name, time.monotonic())
+
+            for node in range(1, workers + 1):
+                launch(node)
+            in_round, started = 0, time.monotonic()
+            while in_round < kills_per_round and killed < points:
+                time.sleep(0.005)
+                for node, (process, name, since) in list(running.items()):
+                    if killed >= points:
+                        break
+                    if process.exitcode is None:
+                        if name is not None and time.monotonic() - since > 20 * lease:
+                            process.kill()  # its point was not reached: a kill at a random
+                            process.join()
+                            launch(node)
+                        continue
+                    if process.exitcode != -signal.SIGKILL:
+                        violations.append(f"worker on node {node} exited with "
+                                          f"{process.exitcode}")
+                        launch(node)
+                        continue
+                    killed += 1
+                    in_round += 1
+                    if name is not None:
+                        by_point[name] += 1
+                    died = time.monotonic()
+                    survivors = {other: progress[other] for other, (p, _, _) in
+                                 running.items() if other != node and p.exitcode is None}
+                    launch(node)
+                    waited = _await_progress(progress, survivors, running, died, bound)
+                    if waited is None:
+                        violations.append(f"kill {killed} ({name} on node {node}): a "
+                                          f"survivor made no progress in {bound:.2f} s")
+                    else:
+                        recoveries.append(waited)
+                    if progress_bar:
+                        print(f"\rkill points: {killed}/{points}", end="", file=sys.stderr)
+                if time.monotonic() - started > 120 + 60 * lease:
+                    violations.append(f"round {rounds} made {in_round} kills in "
+                                      f"{time.monotonic() - started:.0f} s: stalled")
+                    break
+            stop.set()
+            for process, _, _ in running.values():
+                process.join(10 * bound)
+                if process.exitcode is None:
+                    violations.append("a worker did not stop within "
+                                      f"{10 * bound:.0f} s of being asked")
+                    process.kill()
+                    process.join()
+            while not failures.empty():
+                violations.append(failures.get())
+            time.sleep(1.5 * lease)  # every worker's lease lapses
+            repaired = fsck(path, repair=True, node=0, watch=False)
+            after = fsck(path, watch=False)
+            if not after["ok"]:
+                violations.append(f"round {rounds}: fsck after repair: "
+                                  f"{after['problems'][:2]}")
+            operations = sum(progress)
+            time.sleep(1.5 * lease)  # node 0's lease lapses: the next workers' managers take over
+        if progress_bar:
+            print(file=sys.stderr)
+    finally:
+        Pool.destroy(path)
+    return {"points": killed, "violations": violations,
+            "recovered_s_max": max(recoveries, default=0.0),
+            "recovered_s_median": sorted(recoveries)[len(recoveries) // 2] if recoveries else 0.0,
+            "recovery_bound_s": bound, "lease_timeout_s": lease, "rounds": rounds,
+            "operations": operations, "kills_by_point": by_point, "seed": seed}
+
+
+def _await_progress(progress, survivors: dict[int, int], running, died: float,
+                    bound: float) -> float | None:
+    """Seconds until every survivor in ``survivors`` (node -> its count at
+    the kill) completed an operation; None past ``bound``.  A survivor
+    that dies meanwhile is not waited for (its own kill is judged alone)."""
+    waiting = dict(survivors)
+    while waiting:
+        now = time.monotonic()
+        for node in list(waiting):
+            process = running[node][0]
+            if progress[node] > waiting[node] or process.exitcode is not None:
+                del waiting[node]
+        if not waiting:
+            break
+        if now - died > bound:
+            return None
+        time.sleep(0.002)
+    return time.monotonic() - died
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tract.testing.faults",
+                                     description="kill -9 fault-injection campaign")
+    parser.add_argument("--points", type=int, required=True, help="kill points to survive")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workers", type=int, default=3, help="worker processes (nodes)")
+    parser.add_argument("--lease", type=float, default=0.25, help="lease timeout, seconds")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args(argv)
+    report = campaign(args.points, args.seed, args.workers, args.lease,
+                      progress_bar=not args.json)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(f"kill points survived: {report['points']} in {report['rounds']} rounds "
+              f"({report['operations']} operations); violations: {len(report['violations'])}; "
+              f"worst recovery {report['recovered_s_max']:.3f} s (bound "
+              f"{report['recovery_bound_s']:.2f} s, lease {report['lease_timeout_s']} s)")
+        for violation in report["violations"][:20]:
+            print(f"  violation: {violation}")
+    return 1 if report["violations"] else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
