@@ -1,0 +1,67 @@
+"""Kill points and the kill -9 campaign (`tract.testing.faults`): real
+worker processes on several node ids, killed by SIGKILL at named points of
+every protocol; no violation may survive."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tract.testing import faults
+
+
+def _die_at(point, after, env=None):
+    code = ("from tract.testing import faults\n"
+            f"faults.arm({point!r}, {after})\n"
+            f"for i in range(5):\n    print(i, flush=True)\n    faults.point({point!r})\n")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=dict(os.environ, **(env or {})), timeout=60)
+
+
+def test_an_armed_point_kills_its_process_at_the_chosen_time():
+    done = _die_at("evict.marked", 3)
+    assert done.returncode == -9 and done.stdout.split() == ["0", "1", "2"]
+    other = subprocess.run([sys.executable, "-c", "from tract.testing import faults\n"
+                            "faults.arm('evict.marked'); faults.point('alloc.locked')"],
+                           timeout=60)
+    assert other.returncode == 0  # another point: nothing happens
+
+
+def test_bad_arming_is_refused_by_name():
+    with pytest.raises(ValueError, match="is not a kill point"):
+        faults.arm("store.somewhere")
+    with pytest.raises(ValueError, match="at least 1"):
+        faults.arm("store.copied", 0)
+    done = subprocess.run([sys.executable, "-c", "import tract.testing.faults"],
+                          env=dict(os.environ, TRACT_KILL_POINT="nowhere"),
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "'nowhere' is not a kill point" in done.stderr
+
+
+def _campaign(points, seed):
+    done = subprocess.run([sys.executable, "-m", "tract.testing.faults", "--points", str(points),
+                           "--seed", str(seed), "--json"], capture_output=True, text=True,
+                          timeout=1800)
+    report = json.loads(done.stdout)
+    assert done.returncode == (1 if report["violations"] else 0)
+    return report
+
+
+@pytest.mark.multiprocess
+def test_a_short_campaign_survives_every_kill():
+    report = _campaign(60, seed=0)
+    assert report["violations"] == [] and report["points"] == 60
+    assert report["recovered_s_max"] <= report["recovery_bound_s"]
+    assert sum(report["kills_by_point"].values()) == 60
+    assert sum(1 for count in report["kills_by_point"].values() if count) >= 6
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_a_thousand_kill_points_leave_no_violation():
+    report = _campaign(1000, seed=1)
+    print(f"\nkill -9 campaign: {json.dumps(report)}")
+    assert report["violations"] == [] and report["points"] == 1000
+    assert all(report["kills_by_point"].values())  # every point was reached and killed at
