@@ -88,7 +88,7 @@ def _pool_create(args: argparse.Namespace) -> int:
     Pool.create(args.path, size, max_nodes=args.max_nodes, lock_mode=args.lock_mode,
                 coherence=args.coherence, flush=args.flush, lease_timeout=args.lease,
                 chunk_size=_size(args.chunk_size), max_objects=args.max_objects,
-                index_capacity=args.index_capacity)
+                index_capacity=args.index_capacity, mode=0o660 if args.group else 0o600)
     print(f"created pool {args.path}: {args.size or 'whole device'}, {args.chunk_size} chunks, "
           f"{args.max_nodes} "
           f"nodes, {args.lock_mode} locks, coherence {args.coherence}")
@@ -237,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     create.add_argument("--coherence", choices=("none", "hardware"), default="none")
     create.add_argument("--flush", choices=("clflush", "clflushopt", "clwb"), default=None)
     create.add_argument("--lease", type=float, default=2.0, help="lease timeout, seconds")
+    create.add_argument("--group", action="store_true",
+                        help="let the file's group read and write it (mode 0660; default 0600)")
     create.set_defaults(handler=_pool_create)
     info_pool = pool_commands.add_parser("info", help="layout, nodes, occupancy, lock holders")
     info_pool.add_argument("path", help="pool file or /dev/daxX.Y")

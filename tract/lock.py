@@ -455,6 +455,7 @@ class LockManager:
         self.manager_epoch = 0
         self.active = False
         self.deferred = False  # another process of this node manages
+        self.failure: CorruptionError | None = None  # the last step that read a corrupt line
         self._grants: list[_Granting] = []
         self._next = [0] * locks  # round-robin position per lock
         self._election = BakeryLock(space, space.layout.election, "<manager election>")
@@ -602,11 +603,19 @@ class LockManager:
         return any([self._step_lock(lock) for lock in range(self.locks)])
 
     def run(self, stop) -> None:
-        """Grant until ``stop.is_set()``; idle with bounded backoff."""
+        """Grant until ``stop.is_set()``; idle with bounded backoff.  A
+        corrupt lock area (R5) stops no manager: the error is kept in
+        ``failure`` (for `tract pool info`, fsck) and granting resumes once
+        the lines read right again (``fsck --repair``)."""
         backoff = Backoff(self.space.clock, max_sleep=2e-4)
         try:
             while not stop.is_set():
-                if self.step():
+                try:
+                    granted = self.step()
+                except CorruptionError as error:
+                    self.failure, granted = error, False
+                    stop.wait(self.space.lease_timeout / 4)
+                if granted:
                     backoff.reset()
                 else:
                     backoff.wait()

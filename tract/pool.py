@@ -295,12 +295,16 @@ class Pool:
         self.allocator.add_referrer(self.index.referenced)
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
-        if heartbeat:
-            self._start(self._beat, "heartbeat")
-        if manager:
-            lock_manager = self.manager()
-            self._start(lambda: lock_manager.run(self._stop), "lock-manager")
-            self._await_take_over(lock_manager)
+        try:
+            if heartbeat:
+                self._start(self._beat, "heartbeat")
+            if manager:
+                lock_manager = self.manager()
+                self._start(lambda: lock_manager.run(self._stop), "lock-manager")
+                self._await_take_over(lock_manager)
+        except BaseException:  # no thread outlives a failed open (the region closes next)
+            self._stop_threads()
+            raise
 
     # --------------------------------------------------------- lifecycle
 
@@ -330,10 +334,16 @@ class Pool:
 
     @classmethod
     def open(cls, path: str, node: int, *, manager: bool = False, flush: str | None = None,
-             coherence: str | None = None, populate: bool = False) -> Pool:
+             coherence: str | None = None, populate: bool = False,
+             allow_other_owner: bool = False) -> Pool:
         """Map a pool as node ``node``; ``manager=True`` runs a lock manager
         (active or standby) in a daemon thread; ``populate`` maps every page
-        now (no page faults on first touch later)."""
+        now (no page faults on first touch later).  A pool file owned by
+        another user is refused unless ``allow_other_owner`` (or the
+        environment's ``TRACT_ALLOW_OTHER_OWNER=1``): whoever owns it can
+        rewrite every byte this process will trust as metadata.  (Device-DAX
+        nodes belong to root; who may open them is their group's matter.)"""
+        _check_owner(path, allow_other_owner)
         region = open_region(path, flush=flush, coherence=coherence or "none",
                              populate=populate)
         try:
@@ -535,11 +545,14 @@ class Pool:
         """Tell the other nodes this node is gone for good (not only this process)."""
         self.nodes.leave(self.node)
 
-    def close(self) -> None:
+    def _stop_threads(self) -> None:
         self._stop.set()
         for thread in self._threads:
             thread.join()
         self._threads.clear()
+
+    def close(self) -> None:
+        self._stop_threads()
         if self.stats is not None and not self.region.closed:
             self.stats.publish()
         self._locks.clear()
@@ -554,6 +567,19 @@ class Pool:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _check_owner(path: str, allowed: bool) -> None:
+    if allowed or os.environ.get("TRACT_ALLOW_OTHER_OWNER") == "1" or is_dax_path(path):
+        return
+    try:
+        owner = os.stat(path).st_uid
+    except FileNotFoundError:
+        return  # open_region names the missing file
+    if owner != os.geteuid():
+        raise PermissionError(f"pool {path!r} is owned by uid {owner}, not this process's "
+                              f"({os.geteuid()}); pass allow_other_owner=True (or set "
+                              f"TRACT_ALLOW_OTHER_OWNER=1) to trust it")
 
 
 class _NodeLocal:
