@@ -65,3 +65,15 @@ def test_a_thousand_kill_points_leave_no_violation():
     print(f"\nkill -9 campaign: {json.dumps(report)}")
     assert report["violations"] == [] and report["points"] == 1000
     assert all(report["kills_by_point"].values())  # every point was reached and killed at
+
+
+@pytest.mark.multiprocess
+def test_a_short_soak_keeps_every_invariant():
+    done = subprocess.run([sys.executable, "-m", "tract.testing.faults", "--minutes", "0.25",
+                           "--seed", "3", "--json"], capture_output=True, text=True,
+                          timeout=600)
+    report = json.loads(done.stdout)
+    print(f"\nsoak: {json.dumps(report)}")
+    assert report["violations"] == [] and done.returncode == 0
+    assert report["operations"] > 1000
+

@@ -59,7 +59,7 @@ import time
 import traceback
 import uuid
 
-__all__ = ["POINTS", "arm", "campaign", "point", "recovery_bound"]
+__all__ = ["POINTS", "arm", "campaign", "point", "recovery_bound", "soak"]
 
 POINTS = ("lock.acquired", "lock.release", "manager.grant", "alloc.locked", "free.locked",
           "store.copied", "publish.locked", "evict.marked", "handoff.pinned",
@@ -166,14 +166,20 @@ class TicketBoard:
         return int(prompt), ticket
 
 
+#: the counts a connector adds to its node's pool counters (they must agree)
+CONNECTOR_COUNTS = ("lookups", "hit_blocks", "miss_blocks", "stored_blocks", "written_bytes",
+                    "read_bytes", "checksum_failures", "offers", "takes", "handoff_misses")
+
+
 def _worker(path, node, seed, point_name, after, stop, progress, failures, tickets,
-            lease) -> None:
+            lease, tallies=None) -> None:
     """One worker process: the mixed workload until ``stop``, or death at
-    its armed point; a violation goes to ``failures``."""
+    its armed point; a violation goes to ``failures``, and with ``tallies``
+    its connector's counts at the end."""
     import numpy as np
 
     from tract.connector import Connector
-    from tract.errors import PoolFull
+    from tract.errors import LeaseLost, PoolFull
     from tract.pool import Pool
 
     arm(point_name, after)
@@ -192,8 +198,24 @@ def _worker(path, node, seed, point_name, after, stop, progress, failures, ticke
                              f"other bytes (torn, stale or foreign)")
                 return
 
+    def sign(offset, mark):
+        """Write this allocation's mark: another holder of it would overwrite it."""
+        region.store_u64(offset, mark)
+        region.flush(offset, 8)
+        region.fence()
+
+    def release(allocation):
+        offset, mark = allocation
+        region.invalidate(offset, 8)
+        region.fence()
+        if region.load_u64(offset) != mark:
+            failures.put(f"node {node}: allocation at offset {offset} was overwritten while "
+                         f"held (allocated twice)")
+        pool.free(offset)
+
     try:
         with Pool.open(path, node, manager=True) as pool:
+            region = pool.region
             connector = Connector(pool, layout, handoff_ttl=8 * lease, timeout=40 * lease)
             held, serial = [], 0
             while not stop.is_set():
@@ -221,18 +243,25 @@ def _worker(path, node, seed, point_name, after, stop, progress, failures, ticke
                         connector.release()
                     elif operation < 0.94:
                         if len(held) > 3 or (held and rng.random() < 0.5):
-                            pool.free(held.pop(rng.randrange(len(held))))
+                            release(held.pop(rng.randrange(len(held))))
                         else:
-                            held.append(pool.alloc(rng.choice((3000, 70_000, 300_000))))
+                            serial += 1
+                            held.append((pool.alloc(rng.choice((3000, 70_000, 300_000))),
+                                         node << 32 | serial))
+                            sign(*held[-1])
                     else:
                         pool.index.evict(2)
                 except PoolFull:
                     if held:
-                        pool.free(held.pop())
+                        release(held.pop())
+                except LeaseLost:
+                    pass  # fenced (R6): judged stale, this node's grant was revoked; nothing published
                 progress[node] += 1
-            for offset in held:
-                pool.free(offset)
+            for allocation in held:
+                release(allocation)
             connector.close()
+            if tallies is not None:
+                tallies.put((node, {name: connector.stats[name] for name in CONNECTOR_COUNTS}))
     except BaseException:
         failures.put(f"node {node}: {traceback.format_exc(limit=6)}")
         raise SystemExit(1)
@@ -259,15 +288,15 @@ def _warm_up(path: str) -> None:
         out = [np.zeros(size, np.uint8) for _ in range(PROMPT_BLOCKS)]
         connector.store(tokens, blocks)
         connector.load(tokens[:connector.lookup(tokens)], out)
-        connector.take(connector.offer("warm", _tokens(1), blocks), out)
+        connector.take(connector.offer("warm", tokens, blocks), out)
         connector.release()
         pool.free(pool.alloc(300_000))
         pool.index.evict(2)
         connector.close()
 
 
-def campaign(points: int, seed: int = 0, workers: int = 3, lease: float = 0.25,
-             kills_per_round: int = 12, progress_bar: bool = False) -> dict:
+def campaign(points: int, seed: int = 0, workers: int = 3, lease: float = 0.4,
+             kills_per_round: int = 25, progress_bar: bool = False) -> dict:
     """Kill ``points`` workers at random points (seeded); returns
     ``{"points", "violations", "recovered_s_max", ...}``."""
     import multiprocessing
@@ -375,6 +404,68 @@ def campaign(points: int, seed: int = 0, workers: int = 3, lease: float = 0.25,
             "operations": operations, "kills_by_point": by_point, "seed": seed}
 
 
+def soak(seconds: float, seed: int = 0, workers: int = 3, lease: float = 0.4) -> dict:
+    """The campaign's workload without kills for ``seconds``: payloads
+    checked on every load and take, every raw allocation checked for a
+    second holder when freed, and each node's pool counters checked
+    against what its worker counted; then fsck."""
+    import multiprocessing
+
+    from tract.fsck import fsck
+    from tract.pool import Pool
+
+    rng = random.Random(seed)
+    context = multiprocessing.get_context("fork")
+    path = os.path.join("/dev/shm", f"tract-soak-{os.getpid()}-{uuid.uuid4().hex[:6]}")
+    Pool.create(path, 24 << 20, chunk_size=256 << 10, max_nodes=workers + 1,
+                index_capacity=512, lock_mode="manager", lease_timeout=lease)
+    violations = []
+    try:
+        _warm_up(path)
+        time.sleep(1.5 * lease)
+        progress = context.Array("q", workers + 1, lock=False)
+        failures, tallies = context.Queue(), context.Queue()
+        tickets, stop = TicketBoard(context, workers + 1), context.Event()
+        processes = [_start(context, (path, node, rng.getrandbits(32), None, 1, stop, progress,
+                                      failures, tickets, lease, tallies))
+                     for node in range(1, workers + 1)]
+        time.sleep(seconds)
+        stop.set()
+        counted = {}
+        for _ in processes:
+            try:
+                node, counts = tallies.get(timeout=60)
+                counted[node] = counts
+            except Exception:
+                violations.append("a worker sent no counts at the end")
+        for process in processes:
+            process.join(60)
+            if process.exitcode != 0:
+                violations.append(f"a worker exited with {process.exitcode}")
+        while not failures.empty():
+            violations.append(failures.get())
+        with Pool.observe(path) as pool:
+            in_pool = pool.counters()
+        for node, counts in counted.items():
+            for name, value in counts.items():
+                if in_pool.get(node, {}).get(name, 0) != value:
+                    violations.append(f"node {node}'s pool counter {name} is "
+                                      f"{in_pool.get(node, {}).get(name, 0)}; its worker "
+                                      f"counted {value}")
+        # handoff records still inside their TTL when a worker closed stay allocated
+        # until a lease after their deadline: fsck --repair reclaims them
+        time.sleep(8 * lease + 1.5 * lease)
+        fsck(path, repair=True, node=0, watch=False)
+        report = fsck(path, watch=False)
+        if not report["ok"]:
+            violations.append(f"fsck after the soak: {report['problems'][:2]}")
+        operations = sum(progress)
+    finally:
+        Pool.destroy(path)
+    return {"seconds": seconds, "workers": workers, "operations": operations,
+            "violations": violations, "seed": seed}
+
+
 def _await_progress(progress, survivors: dict[int, int], running, died: float,
                     bound: float) -> float | None:
     """Seconds until every survivor in ``survivors`` (node -> its count at
@@ -398,12 +489,24 @@ def _await_progress(progress, survivors: dict[int, int], running, died: float,
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tract.testing.faults",
                                      description="kill -9 fault-injection campaign")
-    parser.add_argument("--points", type=int, required=True, help="kill points to survive")
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--points", type=int, help="kill points to survive")
+    mode.add_argument("--minutes", type=float, help="soak instead: no kills, for this long")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workers", type=int, default=3, help="worker processes (nodes)")
-    parser.add_argument("--lease", type=float, default=0.25, help="lease timeout, seconds")
+    parser.add_argument("--lease", type=float, default=0.4, help="lease timeout, seconds")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
+    if args.minutes is not None:
+        report = soak(args.minutes * 60, args.seed, args.workers, args.lease)
+        if args.json:
+            print(json.dumps(report))
+        else:
+            print(f"soak: {report['operations']} operations in {report['seconds']:.0f} s on "
+                  f"{report['workers']} nodes; violations: {len(report['violations'])}")
+            for violation in report["violations"][:20]:
+                print(f"  violation: {violation}")
+        return 1 if report["violations"] else 0
     report = campaign(args.points, args.seed, args.workers, args.lease,
                       progress_bar=not args.json)
     if args.json:
