@@ -604,9 +604,9 @@ class LockManager:
 
     def run(self, stop) -> None:
         """Grant until ``stop.is_set()``; idle with bounded backoff.  A
-        corrupt lock area (R5) stops no manager: the error is kept in
-        ``failure`` (for `tract pool info`, fsck) and granting resumes once
-        the lines read right again (``fsck --repair``)."""
+        corrupt lock area (R5) stops no manager: the last such error is
+        kept in ``failure``, and granting resumes once the lines read right
+        again (``fsck --repair``)."""
         backoff = Backoff(self.space.clock, max_sleep=2e-4)
         try:
             while not stop.is_set():

@@ -499,23 +499,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.minutes is not None:
         report = soak(args.minutes * 60, args.seed, args.workers, args.lease)
-        if args.json:
-            print(json.dumps(report))
-        else:
-            print(f"soak: {report['operations']} operations in {report['seconds']:.0f} s on "
-                  f"{report['workers']} nodes; violations: {len(report['violations'])}")
-            for violation in report["violations"][:20]:
-                print(f"  violation: {violation}")
-        return 1 if report["violations"] else 0
-    report = campaign(args.points, args.seed, args.workers, args.lease,
-                      progress_bar=not args.json)
+        summary = (f"soak: {report['operations']} operations in {report['seconds']:.0f} s on "
+                   f"{report['workers']} nodes")
+    else:
+        report = campaign(args.points, args.seed, args.workers, args.lease,
+                          progress_bar=not args.json)
+        summary = (f"kill points survived: {report['points']} in {report['rounds']} rounds "
+                   f"({report['operations']} operations); worst recovery "
+                   f"{report['recovered_s_max']:.3f} s (bound {report['recovery_bound_s']:.2f} s, "
+                   f"lease {report['lease_timeout_s']} s)")
     if args.json:
         print(json.dumps(report))
     else:
-        print(f"kill points survived: {report['points']} in {report['rounds']} rounds "
-              f"({report['operations']} operations); violations: {len(report['violations'])}; "
-              f"worst recovery {report['recovered_s_max']:.3f} s (bound "
-              f"{report['recovery_bound_s']:.2f} s, lease {report['lease_timeout_s']} s)")
+        print(f"{summary}; violations: {len(report['violations'])}")
         for violation in report["violations"][:20]:
             print(f"  violation: {violation}")
     return 1 if report["violations"] else 0
