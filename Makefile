@@ -56,7 +56,7 @@ $(VLLM_STAMP): $(STAMP)
 test-vllm: $(VLLM_STAMP)
 	mkdir -p out
 	NUMBA_CACHE_DIR=$(CURDIR)/$(VLLM_VENV)/numba-cache TRACT_VLLM_REPORT=$(CURDIR)/out/vllm-report.json \
-		$(VLLM_VENV)/bin/python -m pytest -q -ra -p no:cacheprovider tests/vllm \
+		$(VLLM_VENV)/bin/python -m pytest -q -ra -p no:cacheprovider tests/vllm_engine \
 		tests/test_hashing.py tests/test_vllm_proxy.py -k vllm
 	cat out/vllm-report.json
 

@@ -22,6 +22,10 @@ import time
 
 from tract.errors import CorruptionError
 
+#: the highest epoch a node may join past (joining once a microsecond, a node
+#: would reach it in some 290,000 years)
+EPOCH_MAX = 1 << 63
+
 __all__ = ["ABSENT", "ALIVE", "LEFT", "Backoff", "Clock", "Liveness", "NodeTable"]
 
 LINE = 64
@@ -111,6 +115,10 @@ class NodeTable:
         heartbeat, epoch, state = self.read(node)
         line = self.line(node)
         if state != ALIVE or stale:
+            if epoch >= EPOCH_MAX:  # no incarnation count comes near: the line is corrupt (R5)
+                raise CorruptionError(f"node table entry {node} at offset {line + 8} has epoch "
+                                      f"{epoch}, beyond any real count of incarnations "
+                                      f"(< {EPOCH_MAX})")
             epoch += 1
         self.region.store_u64(line, (heartbeat + 1) & 0xFFFF_FFFF_FFFF_FFFF)
         self.region.store_u64(line + 8, epoch)
