@@ -31,6 +31,9 @@ import pytest
 
 from tract.pool import Pool
 
+pytest.importorskip("vllm", reason="vLLM is not installed here (make test-vllm builds its "
+                    "environment)")
+
 ENGINE = os.path.join(os.path.dirname(__file__), "engine.py")
 BLOCK = 32
 LEASE = 1.0
