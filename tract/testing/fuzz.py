@@ -27,7 +27,6 @@ import multiprocessing
 import os
 import shutil
 import signal
-import sys
 import threading
 import traceback
 import uuid
