@@ -509,6 +509,10 @@ def run(config: DemoConfig, progress: bool = True) -> dict:
             worker.start()
 
         def finish():
+            """Stop the workers (each publishes its counters as it closes
+            its pool); once only."""
+            if not prefills:
+                return
             for _ in prefills:
                 requests.put(None)
             for worker in prefills:
@@ -518,6 +522,7 @@ def run(config: DemoConfig, progress: bool = True) -> dict:
             for worker in [*prefills, decode]:
                 if worker.is_alive():
                     worker.kill()
+            prefills.clear()
         stack.callback(finish)
 
         def phase(items: list[Request], qps: float) -> list[dict]:
@@ -556,6 +561,7 @@ def run(config: DemoConfig, progress: bool = True) -> dict:
                     [Request(f"{workload}-{name}-{i}", workload, name, prompt)
                      for i, prompt in enumerate(items)], config.qps)
         bar.close()
+        finish()  # counters publish every heartbeat: read them once the workers closed
         with Pool.observe(path) as pool:
             counters = pool.counters()
     expected = {}
