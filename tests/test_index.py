@@ -526,6 +526,24 @@ def test_eviction_spares_pinned_entries_and_frees_payloads(pool_path):
         assert report["ok"] and report["chunks"]["referenced"] == 0, report
 
 
+def test_remove_takes_only_the_named_unpinned_entries(pool_path):
+    _create(pool_path)
+    with Pool.open(pool_path, 0, manager=True) as pool:
+        keys = BlockHasher(pool.header.hash_key, 8)(np.arange(8 * 10, dtype=np.int32))
+        _publish(pool, keys, size=70_000)
+        hits = pool.index.pin(keys[2:3])
+        absent = BlockHasher(pool.header.hash_key, 8)(np.arange(8, dtype=np.int32) + 1)
+        removed = pool.index.remove(np.vstack([keys[:4], absent]))
+        assert removed.tolist() == [True, True, False, True, False]
+        assert [pool.index.lookup(k[None]) for k in keys[:5]] == [0, 0, 1, 0, 1]
+        _read_hits(pool, hits, keys[2:3])
+        pool.index.unpin(hits)
+        assert pool.index.remove(keys[2:3]).tolist() == [True]
+        assert pool.index.stats()["ready"] == 6
+        report = fsck(pool_path, watch=False)
+        assert report["ok"] and report["chunks"]["referenced"] == 2 * 6, report  # two chunks each
+
+
 def test_allocation_pressure_evicts_the_stalest(pool_path):
     _create(pool_path, size=4 << 20)
     with Pool.open(pool_path, 0, manager=True) as pool:
@@ -692,6 +710,15 @@ class IndexModel(RuleBasedStateMachine):
         assert len(before - still) == gone
         for index in before - still:
             assert self.model.pop(index) == 0, "a pinned entry was evicted"
+
+    @rule(which=st.lists(st.integers(0, 23), min_size=1, max_size=6))
+    def remove(self, which):
+        removed = self.pool.index.remove(self.keys[which])
+        expected = {index: self.model.get(index) == 0 for index in which}
+        assert removed.tolist() == [expected[index] for index in which], (which, self.model)
+        for index, gone in expected.items():
+            if gone:
+                del self.model[index]
 
     @invariant()
     def found(self):

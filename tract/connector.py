@@ -218,6 +218,11 @@ class Connector:
         self._count(stored_blocks=published, written_bytes=published * self.layout.block_bytes)
         return published
 
+    def remove(self, tokens_or_hashes) -> np.ndarray:
+        """Delete the blocks of the keys (an engine's explicit remove);
+        returns which were removed.  A block some live node pins stays."""
+        return self.index.remove(self.keys(tokens_or_hashes), timeout=self.timeout)
+
     # ---------------------------------------------------------- handoff
 
     def offer(self, request_id: str, tokens_or_hashes, blocks: Sequence,

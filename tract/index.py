@@ -599,8 +599,42 @@ class Index:
         run = min(EVICT_RUN, self.capacity)
         runs = self._sample.choice(self.capacity // run, size=max(1, min(window, self.capacity)
                                                                  // run), replace=False)
+
+        def stalest(slots, entries, candidates, stamps):
+            return candidates[np.argsort(stamps, kind="stable")[:count]]
+        return len(self._evict(runs, stalest, timeout))
+
+    def remove(self, keys, timeout: float | None = None) -> np.ndarray:
+        """Evict the READY entries of ``keys`` that no live node pins (an
+        engine's explicit delete); returns which keys were removed.  A
+        pinned entry stays: a reader may be copying it."""
+        keys = _keys(keys)
+        removed = np.zeros(keys.shape[0], dtype=np.bool_)
+        codes, found, _ = self._probe(keys, leading=False)
+        hit = codes == HIT
+        if not hit.any():
+            return removed
+        run = min(EVICT_RUN, self.capacity)
+        wanted = {int(slot): (int(key[0]), int(key[1]))
+                  for slot, key in zip(found[hit].tolist(), keys[hit])}
+
+        def named(slots, entries, candidates, stamps):
+            return np.array([i for i in candidates.tolist()
+                             if wanted.get(int(slots[i])) == (int(entries[i, 0]),
+                                                              int(entries[i, 1]))],
+                            dtype=np.int64)
+        gone = set(self._evict(np.unique(found[hit] // run), named, timeout))
+        removed[hit] = [slot in gone for slot in found[hit].tolist()]
+        return removed
+
+    def _evict(self, runs: np.ndarray, choose, timeout: float | None) -> list[int]:
+        """Evict, among the runs of `EVICT_RUN` slots numbered ``runs``,
+        the unpinned READY entries ``choose(slots, entries, candidates,
+        stamps)`` picks (indices into the window, from ``candidates``);
+        returns the slots evicted."""
+        run = min(EVICT_RUN, self.capacity)
         slots = (runs[:, None] * run + np.arange(run)).ravel()
-        freed = []
+        freed, evicted_slots = [], []
         with self.pool.lock("index")(timeout) as lock:
             entries = self._read(self._entries(slots)).copy()
             low, high = self.heap
@@ -612,8 +646,8 @@ class Index:
                 live = [node for node in range(self.max_nodes)
                         if self.pool.space.liveness.live(node)]
                 pins, stamps = self._pins(slots[ready], live)
-                unpinned = np.flatnonzero(ready)[pins == 0]
-                chosen = unpinned[np.argsort(stamps[pins == 0], kind="stable")[:count]]
+                chosen = choose(slots, entries, np.flatnonzero(ready)[pins == 0],
+                                stamps[pins == 0])
             else:
                 chosen = np.zeros(0, dtype=np.int64)
             if chosen.size:
@@ -628,6 +662,7 @@ class Index:
                 marked[:, 2] += np.uint64(1)
                 evicted = pins == 0
                 freed = marked[evicted, 4].astype(np.int64).tolist()
+                evicted_slots = slots[chosen[evicted]].tolist()
                 gone, kept = marked[evicted], marked[~evicted]
                 self._tombstone(gone)
                 self._set_state(kept, READY)
@@ -642,7 +677,7 @@ class Index:
             self.pool.free(offset)
         if freed:
             self.pool.stats.add(evictions=len(freed))
-        return len(freed)
+        return evicted_slots
 
     def _lower_reaches(self, slots: np.ndarray, entries: np.ndarray, lock) -> None:
         """Lower the reach of each slot of a window (``entries``, as just
