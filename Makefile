@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tract-installed
 SOURCES := pyproject.toml setup.py $(wildcard tract/_native/*.pyx tract/_native/*.pxd tract/_native/*.h)
 
-.PHONY: demo test test-fast test-vllm bench asv model clean
+.PHONY: demo test test-fast test-vllm test-lmcache test-sglang bench asv model clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q -ra
 	$(PY) -m tract.testing.mutants
 	$(MAKE) test-vllm
+	$(MAKE) test-lmcache
 	$(MAKE) model
 	$(MAKE) asv
 
@@ -59,6 +60,25 @@ test-vllm: $(VLLM_STAMP)
 		$(VLLM_VENV)/bin/python -m pytest -q -ra -p no:cacheprovider tests/vllm_engine \
 		tests/test_hashing.py tests/test_vllm_proxy.py -k vllm
 	cat out/vllm-report.json
+
+# The LMCache storage plugin against the real package: lmcache 0.5.6 in an
+# environment of its own (it needs numpy <= 2.2.6), torch pinned to the
+# local CPU build, tract from this checkout (a .pth file).
+LMC_VENV := .venv-lmcache
+LMC_STAMP := $(LMC_VENV)/.tract-installed
+$(LMC_STAMP): $(STAMP)
+	test -x $(LMC_VENV)/bin/python || $(PYTHON) -m venv $(LMC_VENV)
+	$(LMC_VENV)/bin/python -m pip install -q --upgrade pip
+	$(LMC_VENV)/bin/python -c "import torch" 2>/dev/null || $(LMC_VENV)/bin/python -m pip install -q "$(TORCH)"
+	echo "torch==2.13.0+cpu" > $(LMC_VENV)/constraints.txt
+	$(LMC_VENV)/bin/python -m pip install -q -c $(LMC_VENV)/constraints.txt lmcache==0.5.6 \
+		"numpy<=2.2.6" "numba>=0.60" psutil "pytest>=8" hypothesis xxhash
+	$(LMC_VENV)/bin/python -c "import site; print('$(CURDIR)', file=open(site.getsitepackages()[0] + '/tract-checkout.pth', 'w'))"
+	touch $(LMC_STAMP)
+
+test-lmcache: $(LMC_STAMP)
+	NUMBA_CACHE_DIR=$(CURDIR)/$(LMC_VENV)/numba-cache LMCACHE_LOG_LEVEL=WARNING \
+		$(LMC_VENV)/bin/python -m pytest -q -ra -p no:cacheprovider tests/lmcache_engine
 
 # The Promela model of the lock protocols (model/README.md), checked with spin
 # (Debian package spin; installed here when missing).  About 3.5 min on 2 cores.

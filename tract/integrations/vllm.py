@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 from typing import Any
 
 import numpy as np
@@ -74,6 +73,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from tract.errors import ConfigError
+from tract.integrations.common import close_pool, open_connector, options
 from tract.transfer import KVLayout
 
 # tract.connector and tract.pool (Numba, LLVM) are imported when a connector
@@ -120,36 +120,6 @@ def kv_layout(vllm_config, tp_rank: int = 0) -> KVLayout:
                     head_size=model.get_head_size(), block_size=cache.block_size,
                     engine_layout="vllm:LBHNC" if on_cpu else "vllm:BLHNC",
                     tp_rank=tp_rank, tp_size=parallel.tensor_parallel_size, variant=variant)
-
-
-# ---------------------------------------------------------------- the pool
-
-_pools: dict[tuple[str, int], list] = {}  # (path, node) -> [pool, users]
-_pools_lock = threading.Lock()
-
-
-def _open_pool(path: str, node: int, manager: bool):
-    """This process's pool handle as ``node`` (the scheduler and worker
-    connectors of one process share it)."""
-    from tract.pool import Pool
-
-    with _pools_lock:
-        entry = _pools.get((path, node))
-        if entry is None:
-            entry = _pools[(path, node)] = [Pool.open(path, node, manager=manager), 0]
-        entry[1] += 1
-        return entry[0]
-
-
-def _close_pool(path: str, node: int) -> None:
-    with _pools_lock:
-        entry = _pools.get((path, node))
-        if entry is None:
-            return
-        entry[1] -= 1
-        if entry[1] == 0:
-            del _pools[(path, node)]
-            entry[0].close()
 
 
 # ------------------------------------------------------- metadata, stats
@@ -205,15 +175,8 @@ class TractConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         transfer = vllm_config.kv_transfer_config
         extra = transfer.kv_connector_extra_config or {}
-        for key in ("pool", "node"):
-            if key not in extra:
-                raise ConfigError(f"TractConnector needs kv_connector_extra_config[{key!r}] "
-                                  f"(the pool's path and this host's node id); got "
-                                  f"{sorted(extra)}")
-        if not isinstance(extra["node"], int) or isinstance(extra["node"], bool):
-            raise ConfigError(f"kv_connector_extra_config['node'] must be an int, got "
-                              f"{extra['node']!r}")
-        self._path, self._node = str(extra["pool"]), extra["node"]
+        self.options = options({k: v for k, v in extra.items() if k != "model_id"},
+                               "TractConnector's kv_connector_extra_config")
         self._produces, self._consumes = transfer.is_kv_producer, transfer.is_kv_consumer
         self.block_size = vllm_config.cache_config.block_size
         tp_rank = 0
@@ -222,17 +185,8 @@ class TractConnector(KVConnectorBase_V1):
 
             tp_rank = get_tensor_model_parallel_rank()
         self.layout = kv_layout(vllm_config, tp_rank)
-        from tract.connector import Connector
-
-        self.pool = _open_pool(self._path, self._node, bool(extra.get("manager", False)))
-        try:
-            self.connector = Connector(self.pool, self.layout,
-                                       checksum=bool(extra.get("checksum", True)),
-                                       salt=extra.get("salt"),
-                                       timeout=float(extra.get("timeout", 30.0)))
-        except BaseException:
-            _close_pool(self._path, self._node)
-            raise
+        self.connector = open_connector(self.options, self.layout)
+        self.pool = self.connector.pool
         self._closed = False
         # scheduler side
         self._requests: dict[str, Any] = {}  # request id -> vLLM Request, until finished
@@ -390,4 +344,4 @@ class TractConnector(KVConnectorBase_V1):
         try:
             self.connector.close()
         finally:
-            _close_pool(self._path, self._node)
+            close_pool(self.options.pool, self.options.node)
