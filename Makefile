@@ -78,7 +78,7 @@ $(LMC_STAMP): $(STAMP)
 
 test-lmcache: $(LMC_STAMP)
 	NUMBA_CACHE_DIR=$(CURDIR)/$(LMC_VENV)/numba-cache LMCACHE_LOG_LEVEL=WARNING \
-		$(LMC_VENV)/bin/python -m pytest -q -ra -p no:cacheprovider tests/lmcache_engine
+		$(LMC_VENV)/bin/python -m pytest -q -ra -p no:cacheprovider -W ignore::DeprecationWarning tests/lmcache_engine
 
 # The Promela model of the lock protocols (model/README.md), checked with spin
 # (Debian package spin; installed here when missing).  About 3.5 min on 2 cores.

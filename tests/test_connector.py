@@ -97,6 +97,24 @@ def test_corrupt_and_evicted_blocks_are_misses(pool):
     assert connector.lookup(tokens) == 0 and connector.load(tokens, _empty(5)) == 0
 
 
+def test_digest_keys_chained_or_each_on_its_own(pool):
+    connector = Connector(pool, LAYOUT)
+    digests = [bytes([i]) * 32 for i in range(5)]
+    chained = connector.digest_keys(digests)
+    own = connector.digest_keys(digests, chained=False)
+    assert chained.shape == own.shape == (5, 2)
+    assert (connector.digest_keys(digests[:3]) == chained[:3]).all()  # a prefix keys a prefix
+    assert (chained[0] == own[0]).all() and not (chained[1:] == own[1:]).all(1).any()
+    for row in range(5):  # unchained: a digest's key does not depend on what came before
+        assert (connector.digest_keys(digests[row:row + 1]) == own[row]).all()
+    assert len({tuple(key) for key in own.tolist()}) == 5
+    assert connector.digest_keys([], chained=False).shape == (0, 2)
+    with pytest.raises(ValueError, match="one length, a multiple of 4"):
+        connector.digest_keys([b"abcd", b"abcdefgh"], chained=False)
+    other = Connector(pool, KVLayout(**{**LAYOUT.__dict__, "tp_rank": 1, "tp_size": 2}))
+    assert not (other.digest_keys(digests, chained=False) == own).all(1).any()
+
+
 def _worker(path, node, seed, rounds, errors):
     """Store and load chains of a few shared prompts, under eviction
     pressure; every loaded block must be the one its tokens make."""

@@ -136,13 +136,16 @@ class Connector:
             return np.ascontiguousarray(array)
         return self.hasher(array)
 
-    def digest_keys(self, digests: Sequence[bytes]) -> np.ndarray:
+    def digest_keys(self, digests: Sequence[bytes], chained: bool = True) -> np.ndarray:
         """Block keys of an engine's own chained block digests (vLLM's
-        ``request.block_hashes``, SGLang's page hashes), mapped into this
-        connector's namespace: the digests are hashed as one chain under
-        the pool's key, the layout's namespace and the salt, so two layouts
-        or tenants never share a key, and a prefix of digests keys a prefix
-        of blocks.  All digests have one length, a multiple of 4 bytes."""
+        ``request.block_hashes``, SGLang's page hashes, LMCache's keys),
+        mapped into this connector's namespace: hashed under the pool's
+        key, the layout's namespace and the salt, so two layouts or tenants
+        never share a key.  ``chained``: the digests are hashed as one
+        chain (a prefix of digests keys a prefix of blocks); else each on
+        its own, for engines that ask of one digest at a time (each digest
+        names its whole prefix already).  All digests have one length, a
+        multiple of 4 bytes."""
         if not len(digests):
             return np.empty((0, 2), dtype=np.uint64)
         size = len(digests[0])
@@ -154,7 +157,11 @@ class Connector:
                                               namespace=self.layout.namespace() + ":digests",
                                               salt=self.salt)
         words = np.frombuffer(b"".join(digests), dtype="<u4").astype(np.int64)
-        return self._digest_hasher(words)
+        if chained:
+            return self._digest_hasher(words)
+        width = size // 4
+        return np.vstack([self._digest_hasher(words[row * width:(row + 1) * width])
+                          for row in range(len(digests))])
 
     # ----------------------------------------------------- prefix cache
 

@@ -35,7 +35,9 @@ def config(pool: str, node: int, local_cpu: bool = False, options: dict | None =
         storage_plugins=[PLUGIN],
         extra_config={f"storage_plugin.{PLUGIN}.module_path": "tract.integrations.lmcache",
                       f"storage_plugin.{PLUGIN}.class_name": "TractStoragePlugin",
-                      "tract.pool": pool, "tract.node": node, **(options or {})},
+                      "tract.pool": pool, "tract.node": node,
+                      "tract.manager": True,  # each instance a lock manager, active or standby
+                      **(options or {})},
         **settings)
 
 

@@ -23,7 +23,8 @@ from lmcache.v1.memory_management import MemoryFormat  # noqa: E402
 import lmc_engine as engine  # noqa: E402
 from tract.errors import ConfigError  # noqa: E402
 from tract.integrations.lmcache import TractStoragePlugin  # noqa: E402
-from tract.pool import Pool, fsck  # noqa: E402
+from tract.fsck import fsck  # noqa: E402
+from tract.pool import Pool  # noqa: E402
 
 HERE = Path(__file__).parent
 
@@ -114,9 +115,8 @@ def test_a_corrupted_chunk_is_a_miss_never_wrong_bytes(sm):
     hits = plugin.pool.index.pin(tract_keys)
     offset = hits.offsets[0] + 100
     plugin.pool.index.unpin(hits)
-    plugin.pool.region.write(int(offset), bytes([plugin.pool.region.read(int(offset), 1)[0] ^ 1]))
-    plugin.pool.region.flush(int(offset), 1)
-    plugin.pool.region.fence()
+    region = plugin.pool.region
+    region.copy_in(int(offset), bytes([region.read(int(offset), 1)[0] ^ 1]))  # flushed
     got = plugin.batched_get_blocking(chunk_keys)
     assert got[1] is None
     assert engine.exact(sm, [chunk_keys[0], chunk_keys[2]], [got[0], got[2]]) == [True, True]

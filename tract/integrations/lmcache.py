@@ -117,7 +117,7 @@ class TractStoragePlugin(StoragePluginInterface):
 
     def _keys(self, keys: Sequence) -> tuple[list[bytes], np.ndarray]:
         digests = [_digest(key) for key in keys]
-        return digests, self.connector.digest_keys(digests)
+        return digests, self.connector.digest_keys(digests, chained=False)
 
     def _fits(self, obj) -> bool:
         return (obj.get_memory_format() == self.fmt and obj.get_shape() == self.shape
