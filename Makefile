@@ -32,6 +32,7 @@ test: $(STAMP)
 	$(PY) -m tract.testing.mutants
 	$(MAKE) test-vllm
 	$(MAKE) test-lmcache
+	$(MAKE) test-sglang
 	$(MAKE) model
 	$(MAKE) asv
 
@@ -79,6 +80,33 @@ $(LMC_STAMP): $(STAMP)
 test-lmcache: $(LMC_STAMP)
 	NUMBA_CACHE_DIR=$(CURDIR)/$(LMC_VENV)/numba-cache LMCACHE_LOG_LEVEL=WARNING \
 		$(LMC_VENV)/bin/python -m pytest -q -ra -p no:cacheprovider -W ignore::DeprecationWarning tests/lmcache_engine
+
+# The SGLang HiCache backend against the real package: sglang 0.5.23 with
+# its own torch pin (2.14.1, from the local disk) and torchvision, installed
+# without its serving dependencies (no GPU kernels): only what its
+# mem_cache, host-pool and cache-controller modules import.  numba and
+# tokenizers at sglang's pins.  tract from this checkout (a .pth file).
+SGL_VENV := .venv-sglang
+SGL_STAMP := $(SGL_VENV)/.tract-installed
+SGL_DEPS := numpy orjson psutil pybase64 requests packaging pillow starlette msgspec pydantic \
+	pyzmq tqdm IPython aiohttp dill gguf triton torchvision==0.29.1 transformers==5.19.0 \
+	tokenizers==0.23.2 sentencepiece==0.2.1 apache-tvm-ffi==0.1.11 compressed-tensors==0.18.0 \
+	numba==0.65.1 ninja "pytest>=8" hypothesis xxhash
+$(SGL_STAMP): $(STAMP)
+	test -x $(SGL_VENV)/bin/python || $(PYTHON) -m venv $(SGL_VENV)
+	$(SGL_VENV)/bin/python -m pip install -q --upgrade pip
+	printf 'torch==2.14.1\ntorchvision==0.29.1\n' > $(SGL_VENV)/constraints.txt
+	$(SGL_VENV)/bin/python -m pip install -q -c $(SGL_VENV)/constraints.txt torch==2.14.1
+	$(SGL_VENV)/bin/python -m pip install -q --no-deps sglang==0.5.23
+	$(SGL_VENV)/bin/python -m pip install -q -c $(SGL_VENV)/constraints.txt $(SGL_DEPS)
+	$(SGL_VENV)/bin/python -c "import site; print('$(CURDIR)', file=open(site.getsitepackages()[0] + '/tract-checkout.pth', 'w'))"
+	$(SGL_VENV)/bin/python -c "import sglang.srt.mem_cache.hicache_storage, sglang.srt.managers.cache_controller"
+	touch $(SGL_STAMP)
+
+test-sglang: $(SGL_STAMP)
+	NUMBA_CACHE_DIR=$(CURDIR)/$(SGL_VENV)/numba-cache CUDA_VISIBLE_DEVICES= \
+		$(SGL_VENV)/bin/python -m pytest -q -ra -p no:cacheprovider -W ignore::DeprecationWarning \
+		tests/sglang_engine tests/test_hashing.py -k "sglang or not hashing"
 
 # The Promela model of the lock protocols (model/README.md), checked with spin
 # (Debian package spin; installed here when missing).  About 3.5 min on 2 cores.
