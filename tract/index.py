@@ -30,8 +30,9 @@ Protocols (every step batched: one fence per batch of lines):
   reads the entries again: only entries still READY at the version first
   read are hits (R3 then R4: pin, then re-check).  `unpin` takes the pins
   back.
-- **Evict** (`evict`, and on allocation pressure): under the lock, the
-  stalest unpinned READY entries of a window of slots are marked EVICTING
+- **Evict** (`evict`, and on allocation pressure; `remove` for named
+  keys): under the lock, the stalest (or the named) unpinned READY
+  entries of a window of slots are marked EVICTING
   (version + 1), flushed and fenced; only then is every live node's pin
   word dropped and read: an entry nobody pins becomes a tombstone and its payload is freed
   after the release, a pinned one goes back to READY.  Pin-then-recheck on
