@@ -209,15 +209,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     modules = args.module or sorted(SUITES)
 
-    errors: list[dict] = []
-    for module in modules:
-        baseline = run_mutant(None, module, args.root, args.seeds)
-        if baseline != "passed":
-            errors.append({"module": module, "mutant": None, "result": baseline})
+    # one unmutated run per distinct suite (tract.lock and tract.lease share
+    # one), in the same pool as the mutants
+    baselines = list({tuple(SUITES[module]): module for module in modules}.values())
     every = [site for module in modules for site in sites(module)]
     with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        unmutated = [pool.submit(run_mutant, None, module, args.root, args.seeds)
+                     for module in baselines]
         outcomes = list(pool.map(
             lambda site: run_mutant(site, site.module, args.root, args.seeds), every))
+    errors: list[dict] = [{"module": module, "mutant": None, "result": done.result()}
+                          for module, done in zip(baselines, unmutated)
+                          if done.result() != "passed"]
     survivors = [site.as_dict() for site, outcome in zip(every, outcomes) if outcome == "passed"]
     errors += [dict(site.as_dict(), result=outcome) for site, outcome in zip(every, outcomes)
                if outcome.startswith("error")]
