@@ -351,6 +351,29 @@ def test_each_call_is_visible_to_other_hosts_when_it_returns(mode):
 
 
 @pytest.mark.sim
+def test_a_release_lands_only_after_the_holders_flushes():
+    """R3 at release: the lock line may reach memory the moment it is
+    flushed (hardware may complete a queued flush before any fence), so
+    every flush the holder queued inside must complete before it: at the
+    moment the freed lock line lands, the holder's data is in memory."""
+    pool = _sim_pool(0, 2, "bakery", chaos=0.0)
+    first = Pool(pool.hosts[0], 0, clock=pool.clock, heartbeat=False, local_locks=False)
+    host, lock, counter = pool.hosts[0], first.lock("alloc"), _counter(first)
+    lock.acquire()
+    host.store_u64(counter, 12345)
+    host.flush(counter, 8)  # queued: the release completes it (R3)
+    queue, memory = host.flush, []
+
+    def flush_landing_at_once(offset, length, payload=False):
+        queue(offset, length, payload)
+        host.complete_early(offset, length)
+        memory.append(int.from_bytes(pool.memory[counter:counter + 8].tobytes(), "little"))
+    host.flush = flush_landing_at_once
+    lock.release()
+    assert memory and set(memory) == {12345}, memory
+
+
+@pytest.mark.sim
 def test_a_node_that_left_is_skipped_at_once():
     pool = _sim_pool(0, 2, "bakery", chaos=0.0)
     first, second = (Pool(host, node, clock=pool.clock, heartbeat=False, local_locks=False)
