@@ -9,7 +9,6 @@ import json
 import os
 import subprocess
 import sys
-import uuid
 from pathlib import Path
 
 import pytest
@@ -30,11 +29,10 @@ HERE = Path(__file__).parent
 
 
 @pytest.fixture
-def pool_path():
-    path = f"/dev/shm/tract-test-lmcache-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-    Pool.create(path, 64 << 20, max_nodes=4, lease_timeout=2.0)
-    yield path
-    Pool.destroy(path)
+def pool_path(pool_path):
+    """The conftest's fresh /dev/shm path (removed after the test), with a pool."""
+    Pool.create(pool_path, 64 << 20, max_nodes=4, lease_timeout=2.0)
+    return pool_path
 
 
 @pytest.fixture

@@ -12,7 +12,6 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 from pathlib import Path
 
 import pytest
@@ -33,11 +32,10 @@ KINDS = [(kind, layout) for kind in ("mha", "mla") for layout in engine.LAYOUTS]
 
 
 @pytest.fixture
-def pool_path():
-    path = f"/dev/shm/tract-test-sglang-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-    Pool.create(path, 64 << 20, max_nodes=4, lease_timeout=2.0)
-    yield path
-    Pool.destroy(path)
+def pool_path(pool_path):
+    """The conftest's fresh /dev/shm path (removed after the test), with a pool."""
+    Pool.create(pool_path, 64 << 20, max_nodes=4, lease_timeout=2.0)
+    return pool_path
 
 
 def test_the_dynamic_loader_builds_the_backend(pool_path):
