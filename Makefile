@@ -51,8 +51,14 @@ test-tiers: $(STAMP)
 	$(MAKE) model
 	$(MAKE) asv
 
+# Each mutant runs only the simulated tests that execute its site (a
+# coverage map of the unmutated suites); mutants-full runs every mutant
+# against its whole suite, for when the selection itself is in doubt.
 mutants: $(STAMP)
 	$(TIER) mutants -- $(PY) -m tract.testing.mutants
+
+mutants-full: $(STAMP)
+	$(TIER) mutants-full -- $(PY) -m tract.testing.mutants --full
 
 # The engines' environments (tests/engine_envs.py holds their
 # specifications): built with uv, each in

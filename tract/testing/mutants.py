@@ -10,10 +10,20 @@ module, so no module can keep a reference to the original.  A mutant whose
 tests still pass *survives*, which means that call is either unneeded or
 untested — either way a finding.
 
-    python -m tract.testing.mutants [--json] [--module M] [--seeds N] [--jobs J]
+    python -m tract.testing.mutants [--json] [--module M] [--seeds N] [--jobs J] [--full]
 
 exits non-zero when any mutant survives (or a run errs), and with ``--json``
 prints ``{"sites": n, "killed": k, "survivors": [{"module", "line", "kind"}]}``.
+
+*Selection.*  The unmutated run of each suite is recorded with coverage.py,
+one dynamic context per test, so the harness knows which simulated tests
+execute each site's statement.  A mutant then runs only those tests, the one
+that killed that site last time first (``killers.json`` under
+``${XDG_CACHE_HOME:-~/.cache}/tract/mutants``), and stops at the first
+failure.  A site that no test executes is listed in the report as
+*uncovered* and is still run, against its module's whole suite: it is never
+skipped, and it fails the run if it survives.  ``--full`` runs every mutant
+against its whole suite, with no selection (``make mutants-full``).
 
 Protocol modules register their simulated test files in `SUITES`; each
 protocol issue adds its module there.
@@ -170,12 +180,78 @@ raise SystemExit(pytest.main({arguments!r}))
 """
 
 
-def run_mutant(site: Site | None, module: str, root: Path, seeds: int,
-               timeout: float = 900) -> str:
-    """Run ``module``'s simulated tests against one mutant (None: the
-    unmutated module).  Returns "passed", "failed" or "error: ..."."""
+def _statement_lines(site: Site) -> range:
+    """The lines of the innermost statement that holds ``site``'s call."""
+    _, source = _source(site.module)
+    tree = ast.parse(source)
+    call, _ = _calls(tree)[site.index]
+    best = None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.stmt) and not isinstance(
+                node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) \
+                and node.lineno <= call.lineno and node.end_lineno >= call.end_lineno \
+                and any(child is call for child in ast.walk(node)):
+            if best is None or node.lineno >= best.lineno and node.end_lineno <= best.end_lineno:
+                best = node
+    best = best or call
+    return range(best.lineno, best.end_lineno + 1)
+
+
+def coverage_map(suite: tuple[str, ...], modules: list[str], root: Path, seeds: int,
+                 timeout: float = 3600) -> tuple[str, dict[str, dict[int, set[str]]]]:
+    """Run one suite unmutated under coverage.py with a context per test.
+    Returns its outcome ("passed", "failed" or "error: ...") and, for each
+    module, line -> the ids of the tests that executed it."""
+    import coverage  # only the harness needs it
+
     env = dict(os.environ, **{SEEDS_ENV: str(seeds)})
-    arguments = ["-q", "-x", "-m", "sim", "-p", "no:cacheprovider", *SUITES[module]]
+    with tempfile.TemporaryDirectory(prefix="tract-coverage-") as scratch:
+        data_file = Path(scratch) / ".coverage"
+        env["COVERAGE_FILE"] = str(data_file)
+        command = [sys.executable, "-m", "pytest", "-q", "-m", "sim", "-p", "no:cacheprovider",
+                   "--cov=tract", "--cov-context=test", "--cov-report=", *suite]
+        try:
+            done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True,
+                                  timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return "error: the unmutated suite timed out", {}
+        outcome = "passed" if done.returncode == 0 else \
+            f"error: exit {done.returncode}: {(done.stdout + done.stderr)[-400:]}"
+        lines: dict[str, dict[int, set[str]]] = {}
+        if not data_file.exists():
+            return outcome, lines
+        data = coverage.CoverageData(basename=str(data_file))
+        data.read()
+        measured = {os.path.realpath(name): name for name in data.measured_files()}
+        for module in modules:
+            name = measured.get(os.path.realpath(_source(module)[0]))
+            by_line = lines.setdefault(module, {})
+            if name is None:
+                continue
+            for line, contexts in data.contexts_by_lineno(name).items():
+                tests = {context.split("|")[0] for context in contexts if context}
+                if tests:
+                    by_line[line] = tests
+        return outcome, lines
+
+
+def _killers_file() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    return Path(base) / "tract" / "mutants" / "killers.json"
+
+
+def _site_key(site: Site) -> str:
+    return f"{site.module}:{site.function}:{site.kind}:{site.line}"
+
+
+def run_mutant(site: Site | None, module: str, root: Path, seeds: int,
+               timeout: float = 900, tests: list[str] | None = None) -> str:
+    """Run ``module``'s simulated tests against one mutant (None: the
+    unmutated module): ``tests`` (pytest ids, in that order) when given, else
+    the whole suite.  Returns "passed", "failed [by TEST]" or "error: ..."."""
+    env = dict(os.environ, **{SEEDS_ENV: str(seeds)})
+    arguments = ["-q", "-x", "-rf", "-m", "sim", "-p", "no:cacheprovider",
+                 *(tests or SUITES[module])]
     with tempfile.TemporaryDirectory(prefix="tract-mutant-") as scratch:
         if site is None:
             command = [sys.executable, "-m", "pytest", *arguments]
@@ -191,6 +267,9 @@ def run_mutant(site: Site | None, module: str, root: Path, seeds: int,
     if done.returncode == 0:
         return "passed"
     if done.returncode == 1:
+        for line in done.stdout.splitlines():
+            if line.startswith("FAILED "):
+                return "failed by " + line.split()[1]
         return "failed"
     return f"error: exit {done.returncode}: {(done.stdout + done.stderr)[-400:]}"
 
@@ -204,35 +283,82 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, default=200,
                         help="simulator seeds per test for each mutant (default 200)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--full", action="store_true",
+                        help="run every mutant against its whole suite (no coverage selection)")
     parser.add_argument("--root", type=Path, default=Path.cwd(),
                         help="repository root holding the tests (default: .)")
     args = parser.parse_args(argv)
     modules = args.module or sorted(SUITES)
 
-    # one unmutated run per distinct suite (tract.lock and tract.lease share
-    # one), in the same pool as the mutants
-    baselines = list({tuple(SUITES[module]): module for module in modules}.values())
     every = [site for module in modules for site in sites(module)]
+    suites: dict[tuple[str, ...], list[str]] = {}
+    for module in modules:  # tract.lock and tract.lease share one suite
+        suites.setdefault(tuple(SUITES[module]), []).append(module)
+    killers_file = _killers_file()
+    try:
+        killers = json.loads(killers_file.read_text())
+    except (OSError, ValueError):
+        killers = {}
+    uncovered: list[dict] = []
+    errors: list[dict] = []
     with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as pool:
-        unmutated = [pool.submit(run_mutant, None, module, args.root, args.seeds)
-                     for module in baselines]
+        if args.full:
+            unmutated = {suite: pool.submit(run_mutant, None, members[0], args.root, args.seeds)
+                         for suite, members in suites.items()}
+            lines = {}
+        else:
+            unmutated = {suite: pool.submit(coverage_map, suite, members, args.root, args.seeds)
+                         for suite, members in suites.items()}
+            lines = {}
+            for future in unmutated.values():
+                lines.update(future.result()[1])
+        selections: list[list[str] | None] = []
+        for site in every:
+            if args.full:
+                selections.append(None)
+                continue
+            covering = set()
+            for line in _statement_lines(site):
+                covering |= lines.get(site.module, {}).get(line, set())
+            if not covering:
+                uncovered.append(site.as_dict())
+                selections.append(None)  # never skipped: the whole suite
+                continue
+            first = killers.get(_site_key(site))
+            selections.append(sorted(covering, key=lambda test: (test != first, test)))
         outcomes = list(pool.map(
-            lambda site: run_mutant(site, site.module, args.root, args.seeds), every))
-    errors: list[dict] = [{"module": module, "mutant": None, "result": done.result()}
-                          for module, done in zip(baselines, unmutated)
-                          if done.result() != "passed"]
+            lambda item: run_mutant(item[0], item[0].module, args.root, args.seeds,
+                                    tests=item[1]), zip(every, selections)))
+    for suite, future in unmutated.items():
+        result = future.result() if args.full else future.result()[0]
+        if result != "passed":
+            errors.append({"module": suites[suite][0], "mutant": None, "result": result})
+    for site, outcome in zip(every, outcomes):
+        if outcome.startswith("failed by "):
+            killers[_site_key(site)] = outcome.removeprefix("failed by ")
+    try:
+        killers_file.parent.mkdir(parents=True, exist_ok=True)
+        killers_file.write_text(json.dumps(killers, indent=1, sort_keys=True) + "\n")
+    except OSError:
+        pass  # the order is only a speed-up
     survivors = [site.as_dict() for site, outcome in zip(every, outcomes) if outcome == "passed"]
     errors += [dict(site.as_dict(), result=outcome) for site, outcome in zip(every, outcomes)
                if outcome.startswith("error")]
-    killed = sum(outcome == "failed" for outcome in outcomes)
-    report = {"sites": len(every), "killed": killed, "survivors": survivors}
+    killed = sum(outcome.startswith("failed") for outcome in outcomes)
+    report = {"sites": len(every), "killed": killed, "survivors": survivors,
+              "uncovered": uncovered, "tests_run": "all" if args.full else "covering"}
     if errors:
         report["errors"] = errors
     if args.json:
         print(json.dumps(report, indent=2))
     else:
         print(f"{len(every)} sites in {', '.join(modules)}: {killed} killed, "
-              f"{len(survivors)} survived, {len(errors)} errors")
+              f"{len(survivors)} survived, {len(errors)} errors "
+              f"({'every test' if args.full else 'covering tests only'}; "
+              f"{len(uncovered)} sites uncovered, run against their whole suite)")
+        for site in uncovered:
+            print(f"  UNCOVERED {site['module']}:{site['line']} {site['kind']} "
+                  f"in {site['function']}")
         for survivor in survivors:
             print(f"  SURVIVED {survivor['module']}:{survivor['line']} {survivor['kind']} "
                   f"in {survivor['function']}")
