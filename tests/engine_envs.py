@@ -101,26 +101,25 @@ def path(name: str) -> Path:
 
 def _local_sources() -> list[str]:
     """uv options for the wheels pip is configured to take from this disk."""
-    options = []
+    links: list[str] = []
     try:
         config = subprocess.run([sys.executable, "-m", "pip", "config", "list"],
                                 capture_output=True, text=True, timeout=60).stdout
     except (OSError, subprocess.SubprocessError):
-        return options
+        return []
     for line in config.splitlines():
         name, _, value = line.partition("=")
         value = value.strip().strip("'\"")
         if name.endswith(".find-links"):
-            options += [item for link in value.split() if os.path.isdir(link.removeprefix("file://"))
-                        for item in ("--find-links", link)]
+            links += [link for link in value.split() if os.path.isdir(link.removeprefix("file://"))]
         elif name.endswith(".extra-index-url"):
             for url in value.split():
                 local = url.removeprefix("file://")
                 if url.startswith("file://") and os.path.isdir(local):
                     files = os.path.join(os.path.dirname(local.rstrip("/")), "files")
                     if os.path.isdir(files):  # the index's wheels, as a flat directory
-                        options += ["--find-links", files]
-    return options
+                        links.append(files)
+    return [item for link in dict.fromkeys(links) for item in ("--find-links", link)]
 
 
 def _uv(uv: str, arguments: list[str], env: dict) -> None:

@@ -302,14 +302,13 @@ def main(argv: list[str] | None = None) -> int:
     uncovered: list[dict] = []
     errors: list[dict] = []
     with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        lines: dict[str, dict[int, set[str]]] = {}
         if args.full:
             unmutated = {suite: pool.submit(run_mutant, None, members[0], args.root, args.seeds)
                          for suite, members in suites.items()}
-            lines = {}
         else:
             unmutated = {suite: pool.submit(coverage_map, suite, members, args.root, args.seeds)
                          for suite, members in suites.items()}
-            lines = {}
             for future in unmutated.values():
                 lines.update(future.result()[1])
         selections: list[list[str] | None] = []
