@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tract-installed
 SOURCES := pyproject.toml setup.py $(wildcard tract/_native/*.pyx tract/_native/*.pxd tract/_native/*.h)
 
-.PHONY: demo test test-tiers mutants mutants-full test-fast test-vllm test-lmcache test-sglang \
+.PHONY: demo test test-tiers lane-protocol lane-engines mutants mutants-full test-fast test-vllm test-lmcache test-sglang \
 	clean-envs flake bench asv model clean
 
 $(VENV)/bin/python:
@@ -27,12 +27,15 @@ demo: $(STAMP)
 	$(VENV)/bin/tract demo
 
 # Every tier, each timed (tests/tiers.py; the table is printed and written
-# to out/test-times.json at the end, whether the run passed or failed):
-# pytest split into unit, simulated, multi-process and slow tests (each with
-# its 30 slowest tests); the mutation harness over every protocol module
-# while the engines' environments are built (the simulated suites run on a
-# virtual clock, so the load of the builds does not bend them); the engines'
-# tiers; the spin model; the asv suite once in quick mode.
+# to out/test-times.json at the end, whether the run passed or failed), in
+# two lanes at once, one per core: the protocol lane (pytest's unit and
+# simulated tests, recorded with coverage.py one context per test, then the
+# mutation harness over every protocol module, which selects by that record:
+# all on the simulator's virtual clock or with no clock at all, so load
+# does not bend them) beside the engine lane (the engines' environments,
+# their tiers, the spin model, asv once in quick mode).  The multi-process
+# and slow tests, which measure real time, run after both, on a quiet
+# machine.  pytest prints each tier's 30 slowest tests.
 TIER := $(PYTHON) tests/tiers.py run
 PYTEST := $(PY) -m pytest -q -ra --durations=30
 test: $(STAMP)
@@ -40,11 +43,18 @@ test: $(STAMP)
 		$(PYTHON) tests/tiers.py report; exit $$status
 
 test-tiers: $(STAMP)
-	$(TIER) pytest-unit -- $(PYTEST) -m "not sim and not multiprocess and not slow"
-	$(TIER) pytest-sim -- $(PYTEST) -m "sim"
+	$(MAKE) -j2 lane-protocol lane-engines
 	$(TIER) pytest-multiprocess -- $(PYTEST) -m "multiprocess and not sim"
 	$(TIER) pytest-slow -- $(PYTEST) -m "slow and not sim and not multiprocess"
-	$(MAKE) -j4 mutants env-vllm env-lmcache env-sglang
+
+lane-protocol: $(STAMP)
+	$(TIER) pytest-unit -- $(PYTEST) -m "not sim and not multiprocess and not slow"
+	COVERAGE_FILE=$(CURDIR)/out/sim.coverage $(TIER) pytest-sim -- $(PYTEST) -m "sim" \
+		--cov=tract --cov-context=test --cov-report=
+	$(MAKE) mutants MUTANTS_FROM="--coverage out/sim.coverage"
+
+lane-engines: $(STAMP)
+	$(MAKE) -j3 env-vllm env-lmcache env-sglang
 	$(MAKE) test-vllm
 	$(MAKE) test-lmcache
 	$(MAKE) test-sglang
@@ -52,10 +62,11 @@ test-tiers: $(STAMP)
 	$(MAKE) asv
 
 # Each mutant runs only the simulated tests that execute its site (a
-# coverage map of the unmutated suites); mutants-full runs every mutant
+# coverage map of the unmutated suites: in `make test`, the one the
+# pytest-sim tier recorded, at the same 200 seeds); mutants-full runs every mutant
 # against its whole suite, for when the selection itself is in doubt.
 mutants: $(STAMP)
-	$(TIER) mutants -- $(PY) -m tract.testing.mutants
+	$(TIER) mutants -- $(PY) -m tract.testing.mutants $(MUTANTS_FROM)
 
 mutants-full: $(STAMP)
 	$(TIER) mutants-full -- $(PY) -m tract.testing.mutants --full

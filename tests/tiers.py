@@ -26,7 +26,10 @@ def run(name: str, command: list[str]) -> int:
     status = subprocess.call(command)
     if status == 5 and Path(command[0]).name.startswith("python") and "pytest" in command:
         status = 0
-    (RECORDS / f"{name}.json").write_text(json.dumps(
+    record = RECORDS / f"{name}.json"
+    if record.exists():  # run again in this `make test` (a prerequisite met already):
+        return status     # the first run's time is the tier's
+    record.write_text(json.dumps(
         {"tier": name, "seconds": round(time.monotonic() - wall, 1), "status": status,
          "started": started}) + "\n")
     return status

@@ -11,6 +11,7 @@ tests still pass *survives*, which means that call is either unneeded or
 untested — either way a finding.
 
     python -m tract.testing.mutants [--json] [--module M] [--seeds N] [--jobs J] [--full]
+                                    [--coverage FILE]
 
 exits non-zero when any mutant survives (or a run errs), and with ``--json``
 prints ``{"sites": n, "killed": k, "survivors": [{"module", "line", "kind"}]}``.
@@ -24,6 +25,9 @@ failure.  A site that no test executes is listed in the report as
 *uncovered* and is still run, against its module's whole suite: it is never
 skipped, and it fails the run if it survives.  ``--full`` runs every mutant
 against its whole suite, with no selection (``make mutants-full``).
+``--coverage FILE`` takes the map from a run that already measured every
+simulated test this way, at the same seeds (``make test``'s pytest-sim
+tier), instead of running the suites unmutated again.
 
 Protocol modules register their simulated test files in `SUITES`; each
 protocol issue adds its module there.
@@ -202,8 +206,6 @@ def coverage_map(suite: tuple[str, ...], modules: list[str], root: Path, seeds: 
     """Run one suite unmutated under coverage.py with a context per test.
     Returns its outcome ("passed", "failed" or "error: ...") and, for each
     module, line -> the ids of the tests that executed it."""
-    import coverage  # only the harness needs it
-
     env = dict(os.environ, **{SEEDS_ENV: str(seeds)})
     with tempfile.TemporaryDirectory(prefix="tract-coverage-") as scratch:
         data_file = Path(scratch) / ".coverage"
@@ -217,22 +219,33 @@ def coverage_map(suite: tuple[str, ...], modules: list[str], root: Path, seeds: 
             return "error: the unmutated suite timed out", {}
         outcome = "passed" if done.returncode == 0 else \
             f"error: exit {done.returncode}: {(done.stdout + done.stderr)[-400:]}"
-        lines: dict[str, dict[int, set[str]]] = {}
-        if not data_file.exists():
-            return outcome, lines
-        data = coverage.CoverageData(basename=str(data_file))
-        data.read()
-        measured = {os.path.realpath(name): name for name in data.measured_files()}
-        for module in modules:
-            name = measured.get(os.path.realpath(_source(module)[0]))
-            by_line = lines.setdefault(module, {})
-            if name is None:
-                continue
-            for line, contexts in data.contexts_by_lineno(name).items():
-                tests = {context.split("|")[0] for context in contexts if context}
-                if tests:
-                    by_line[line] = tests
-        return outcome, lines
+        return outcome, covering_tests(data_file, modules, suite)
+
+
+def covering_tests(data_file: Path, modules: list[str], suite: tuple[str, ...]
+                   ) -> dict[str, dict[int, set[str]]]:
+    """From coverage data recorded with one context per test (pytest-cov's
+    ``--cov-context=test``): for each module, line -> the ids of the tests
+    of ``suite`` (its test files) that executed it."""
+    import coverage  # only the harness needs it
+
+    lines: dict[str, dict[int, set[str]]] = {module: {} for module in modules}
+    if not Path(data_file).exists():
+        return lines
+    data = coverage.CoverageData(basename=str(data_file))
+    data.read()
+    measured = {os.path.realpath(name): name for name in data.measured_files()}
+    prefixes = tuple(f"{test_file}::" for test_file in suite)
+    for module in modules:
+        name = measured.get(os.path.realpath(_source(module)[0]))
+        if name is None:
+            continue
+        for line, contexts in data.contexts_by_lineno(name).items():
+            tests = {context.split("|")[0] for context in contexts
+                     if context.startswith(prefixes)}
+            if tests:
+                lines[module][line] = tests
+    return lines
 
 
 def _killers_file() -> Path:
@@ -285,6 +298,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--full", action="store_true",
                         help="run every mutant against its whole suite (no coverage selection)")
+    parser.add_argument("--coverage", type=Path, metavar="FILE",
+                        help="coverage data of a passed run of every simulated test at these "
+                             "seeds, one context per test (make test's pytest-sim tier): the "
+                             "map is read from it instead of running each suite unmutated")
     parser.add_argument("--root", type=Path, default=Path.cwd(),
                         help="repository root holding the tests (default: .)")
     args = parser.parse_args(argv)
@@ -306,9 +323,17 @@ def main(argv: list[str] | None = None) -> int:
         if args.full:
             unmutated = {suite: pool.submit(run_mutant, None, members[0], args.root, args.seeds)
                          for suite, members in suites.items()}
+        elif args.coverage is not None:
+            if not args.coverage.exists():
+                parser.error(f"--coverage {args.coverage}: no such coverage data file")
+            unmutated = {suite: concurrent.futures.Future() for suite in suites}
+            for suite, members in suites.items():
+                unmutated[suite].set_result(("passed", covering_tests(
+                    args.coverage, members, tuple(str(Path(test)) for test in suite))))
         else:
             unmutated = {suite: pool.submit(coverage_map, suite, members, args.root, args.seeds)
                          for suite, members in suites.items()}
+        if not args.full:
             for future in unmutated.values():
                 lines.update(future.result()[1])
         selections: list[list[str] | None] = []
