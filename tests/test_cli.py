@@ -1,4 +1,5 @@
-"""The `tract` command: info, bench (JSON schema) and the demo."""
+"""The `tract` command: info, bench (JSON schema), the demo, and one-line
+errors on bad pool files."""
 
 import json
 import subprocess
@@ -164,3 +165,54 @@ def test_stat_prints_and_exports_a_pools_counters(tmp_path):
         server.terminate()
         server.wait(10)
     Pool.destroy(path)
+
+
+def _bad_pool_files(directory, pool_path):
+    """name -> path of a missing file, an empty file, random bytes, a
+    truncated pool and a directory."""
+    from tract.pool import Pool
+
+    Pool.create(pool_path, 8 << 20, chunk_size=256 << 10)
+    with open(pool_path, "rb") as whole:
+        head = whole.read(3 << 20)
+    files = {"missing": directory / "missing", "empty": directory / "empty",
+             "random": directory / "random", "truncated": directory / "truncated",
+             "directory": directory / "subdir"}
+    files["empty"].write_bytes(b"")
+    files["random"].write_bytes(bytes(range(256)) * 400)
+    files["truncated"].write_bytes(head)
+    files["directory"].mkdir()
+    return {name: str(path) for name, path in files.items()}
+
+
+COMMANDS = [("pool", "info"), ("pool", "fsck", "--no-watch"), ("pool", "destroy"),
+            ("stat",), ("manager", "--node", "0")]
+EXPECTED = {"missing": "No such file or directory", "empty": "must be a positive number of bytes",
+            "random": "is not a tract pool", "truncated": "truncated",
+            "directory": "Is a directory"}
+
+
+def test_every_pool_command_gives_one_line_on_a_bad_file(tmp_path, pool_path, capsys):
+    for name, path in _bad_pool_files(tmp_path, pool_path).items():
+        for command in COMMANDS:
+            assert main([*command, path]) == 2, (command, name)
+            out, err = capsys.readouterr()
+            assert out == "" and err.count("\n") == 1, (command, name, err)
+            named = command[:2] if command[0] == "pool" else command[:1]
+            assert err.startswith(f"tract {' '.join(named)}: "), (command, name, err)
+            assert EXPECTED[name] in err and "Traceback" not in err, (command, name, err)
+        for command in [("pool", "info", "--json"), ("pool", "fsck", "--no-watch", "--json"),
+                        ("stat", "--json")]:
+            assert main([*command, path]) == 2
+            out, err = capsys.readouterr()
+            report = json.loads(out)
+            assert EXPECTED[name] in report["error"] and report["path"] == path, (command, name)
+    assert (tmp_path / "random").exists()  # destroy refused a file that is no pool
+
+
+def test_a_bad_pool_file_gives_no_traceback_from_the_command_line(tmp_path):
+    junk = tmp_path / "junk"
+    junk.write_bytes(b"\x01" * 8192)
+    done = _tract("pool", "fsck", str(junk), "--json")
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "is not a tract pool" in json.loads(done.stdout)["error"]

@@ -7,6 +7,8 @@ import argparse
 import json
 import sys
 
+from tract.errors import TractError
+
 __all__ = ["main"]
 
 
@@ -124,8 +126,15 @@ def _pool_info(args: argparse.Namespace) -> int:
 
 
 def _pool_destroy(args: argparse.Namespace) -> int:
-    from tract.pool import Pool
+    from tract.pool import Header, Pool
+    from tract.region import open_region
 
+    if not args.force:  # a file that is no tract pool is refused: it may be someone's data
+        region = open_region(args.path)
+        try:
+            Header(region)
+        finally:
+            region.close()
     Pool.destroy(args.path)
     print(f"destroyed pool {args.path} and this host's node-local files")
     return 0
@@ -246,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     info_pool.set_defaults(handler=_pool_info)
     destroy = pool_commands.add_parser("destroy", help="remove a pool and its node-local files")
     destroy.add_argument("path")
+    destroy.add_argument("--force", action="store_true",
+                         help="remove the file even when it is not a readable tract pool")
     destroy.set_defaults(handler=_pool_destroy)
     check = pool_commands.add_parser("fsck", help="check a pool's metadata; --repair fixes it")
     check.add_argument("path", help="pool file or /dev/daxX.Y")
@@ -275,7 +286,31 @@ def main(argv: list[str] | None = None) -> int:
     demo.set_defaults(handler=_demo)
 
     args = parser.parse_args(argv)
-    return args.handler(args)
+    try:
+        return args.handler(args)
+    except (OSError, TractError, ValueError) as error:
+        if getattr(args, "path", None) is None and getattr(args, "pool", None) is None:
+            raise  # a command on no pool file: not the user's input, a bug to see whole
+        return _fail(args, error)
+
+
+def _fail(args: argparse.Namespace, error: BaseException) -> int:
+    """One line naming the command, the file and the problem (a JSON object
+    with ``--json``); exit status 2.  No traceback: these are the user's
+    inputs (a missing, empty, foreign or truncated pool file), not bugs."""
+    command = " ".join(filter(None, (args.command, getattr(args, "pool_command", None))))
+    path = getattr(args, "path", None) or getattr(args, "pool", None)
+    if isinstance(error, OSError) and not isinstance(error, TractError) and error.strerror:
+        where = error.filename if error.filename is not None else path
+        problem = f"{where}: {error.strerror}" if where is not None else error.strerror
+    else:
+        problem = str(error) or type(error).__name__
+    if getattr(args, "json", False):
+        print(json.dumps({"error": problem, "kind": type(error).__name__, "command": command,
+                          "path": path}))
+    else:
+        print(f"tract {command}: {' '.join(problem.split())}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":
