@@ -650,3 +650,95 @@ def test_a_bad_remote_free_is_set_aside_not_raised(pool_path):
         second.free(offset)  # a double free, queued before anyone can tell
         assert first.allocator.drain() == 1
         assert first.allocator.rejected and "already free" in first.allocator.rejected[0]
+
+
+def _owners_of(pool, offsets):
+    """The pool's owner record of each offset's chunk (read fresh), or of
+    the slab/extent head it lies in."""
+    allocator = pool.allocator
+    return [allocator.owner_fresh(allocator.chunk_of(offset)) for offset in offsets]
+
+
+def test_a_node_whose_slabs_were_reclaimed_never_allocates_from_them(pool_path):
+    """Node 2's heap lists slabs the pool gave to node 1 while node 2 was
+    judged gone (its lease lapsed, a process of it stalled): a process
+    joining node 2's incarnation forgets them before it carves a block."""
+    _create(pool_path)
+    with Pool.open(pool_path, 1, manager=True) as other, Pool.open(pool_path, 2) as stalled:
+        blocks = [stalled.alloc(4096) for _ in range(40)]
+        slabs = sorted({stalled.allocator.chunk_of(offset) for offset in blocks})
+        stalled.allocator.heap.free(blocks[0])  # a free block in a slab the pool will reclaim
+        with other.lock("alloc"):  # what the reclaim of a lapsed node does to its slabs
+            for chunk in slabs:
+                other.allocator._release(chunk, 1)
+        taken = [other.allocator.alloc_chunks(1) for _ in slabs]  # node 1's now
+        with Pool.open(pool_path, 2) as rejoined:  # the same incarnation: the heap is kept
+            assert rejoined.epoch == stalled.epoch
+            assert rejoined.allocator.heap.slabs() == []
+            fresh = [rejoined.alloc(4096) for _ in range(40)]
+            assert not {rejoined.allocator.chunk_of(offset) for offset in fresh} & set(taken)
+            for owner in _owners_of(rejoined, fresh):
+                assert (owner.kind, owner.node, owner.epoch) == (1, 2, rejoined.epoch)
+
+
+def test_a_node_that_left_reopens_on_a_fresh_heap_clear_of_other_owners(pool_path):
+    _create(pool_path, size=4 << 20)
+    with Pool.open(pool_path, 1, manager=True) as other:
+        with Pool.open(pool_path, 2) as node2:
+            kept = [node2.alloc(4096) for _ in range(100)]
+            node2.objects.put("kept", kept[0], 4096)  # one block stays referenced
+            before = node2.epoch
+        # node 2 closed cleanly (it left): node 1 takes all the room it needs
+        extents = []
+        with pytest.raises(PoolFull):
+            while True:
+                extents.append(other.alloc(other.header.chunk_size))
+        with Pool.open(pool_path, 2) as node2:
+            assert node2.epoch == before + 1
+            for offset in extents[:4]:
+                other.free(offset)
+            fresh = [node2.alloc(4096) for _ in range(30)]
+            owners = _owners_of(node2, fresh)
+            assert all((o.kind, o.node, o.epoch) == (1, 2, node2.epoch) for o in owners)
+            assert fsck(pool_path, watch=False)["problems"] == []
+        other.objects.delete("kept")
+
+
+def _store_and_die(path, node, ready):
+    with Pool.open(path, node) as pool:
+        pool.objects.put("from-the-dead", pool.alloc(4096), 4096)
+        [pool.alloc(size) for size in (4096, 8192, 4096, 100_000)]  # referenced by nothing
+        ready.set()
+        time.sleep(600)
+
+
+@pytest.mark.multiprocess
+def test_after_a_kill_fsck_reports_reclaimable_and_the_allocator_takes_it_back(pool_path):
+    _create(pool_path, size=4 << 20, lease_timeout=0.3)
+    context = multiprocessing.get_context("fork")
+    with Pool.open(pool_path, 1, manager=True) as survivor:
+        for node in (2,):  # a whole node
+            ready = context.Event()
+            victim = context.Process(target=_store_and_die, args=(pool_path, node, ready))
+            victim.start()
+            assert ready.wait(60)
+            os.kill(victim.pid, signal.SIGKILL)
+            victim.join(30)
+            survivor.objects.delete("from-the-dead")
+        survivor.space.liveness.live(2)  # the survivor starts watching node 2's heartbeat
+        report = fsck(pool_path)  # watches the heartbeats for a lease first
+        assert report["ok"] and report["problems"] == [], report["problems"]
+        areas = {entry["area"] for entry in report["reclaimable"]}
+        assert areas == {"allocator"}, report["reclaimable"]
+        # under pressure, with no repair, every byte comes back
+        extents = []
+        with pytest.raises(PoolFull):
+            while True:
+                extents.append(survivor.alloc(survivor.header.chunk_size))
+        assert len(extents) == survivor.header.nchunks  # the dead's slabs and extents too
+        for offset in extents:
+            survivor.free(offset)
+        survivor.allocator.trim()
+        after = fsck(pool_path)
+        assert after["ok"] and after["reclaimable"] == [], after
+        assert after["chunks"]["free"] == after["chunks"]["total"]

@@ -54,7 +54,7 @@ from tract._kernels import bitmap
 from tract._native._allocfast import ChunkFastPath
 from tract._native._nodeheap import NOT_MINE
 from tract._native._region import Region
-from tract.errors import CorruptionError, PoolFull
+from tract.errors import CorruptionError, LockTimeout, PoolFull
 from tract.lease import ALIVE, LINE
 from tract.testing import faults
 
@@ -437,9 +437,35 @@ class Allocator:
                 chunks.update(range(first, last + 1))
         return chunks
 
+    def _referenced_whole(self) -> set[int] | None:
+        """`referenced_chunks` read under the pool's ``objects`` and
+        ``index`` locks (after ``alloc``, the order fsck takes them too), so
+        no record or entry is half-written as it is read (a torn one would
+        refer to nothing, and its memory would look free to reclaim); None
+        when a lock is not had within a lease (no reclaim this time)."""
+        names = {name for _, name in self.pool.header.lock_names}
+        held = []
+        try:
+            for name in ("objects", "index"):
+                if name in names:
+                    lock = self.pool.lock(name)
+                    lock.acquire(self.pool.header.lease_timeout)
+                    held.append(lock)
+            return self.referenced_chunks()
+        except LockTimeout:
+            return None
+        finally:
+            for lock in reversed(held):
+                lock.release()
+
     def dead_owner(self, owner: Owner, local_pids: bool) -> bool:
         """Whether ``owner`` is gone for good (R6).  ``local_pids``: the
-        owner's node runs on this host, so its pids can be checked."""
+        owner's node runs on this host, so its pids can be checked.  This
+        node's own incarnation is never judged by its lease (this process
+        is alive: a stall that let its heartbeat stand still must not make
+        it free its own node's memory), only an extent by its process."""
+        if owner.node == self.node and owner.epoch == self.pool.epoch:
+            return owner.kind == HEAD and local_pids and not pid_alive(owner.pid)
         heartbeat, epoch, state = self.pool.nodes.read(owner.node)
         if state != ALIVE or epoch != owner.epoch:
             return True
@@ -468,7 +494,9 @@ class Allocator:
                 dead.append((chunk, owner.run if owner.kind == HEAD else 1, owner))
         if not dead:  # the common case under pressure: no reference scan needed
             return []
-        referenced = self.referenced_chunks()
+        referenced = self._referenced_whole()
+        if referenced is None:
+            return []
         return [(chunk, count, owner) for chunk, count, owner in dead
                 if not any(c in referenced for c in range(chunk, chunk + count))]
 
@@ -542,6 +570,30 @@ class Allocator:
             raise
         return offsets
 
+    def extent_owner(self, offset: int) -> Owner | None:
+        """The owner record of the extent that starts at ``offset``, read
+        fresh, or None when ``offset`` starts no extent (a slab block)."""
+        chunk = self.chunk_of(offset)
+        if offset != self.offset_of(chunk):
+            return None
+        owner = self.owner_fresh(chunk)
+        return owner if owner.kind == HEAD else None
+
+    def free_extent_of(self, offset: int, owner: Owner,
+                       timeout: float | None = None) -> bool:
+        """Free the extent at ``offset`` if it still holds the allocation
+        ``owner`` (read by `extent_owner` while something referenced it);
+        False when it was reclaimed meanwhile (its owner died and the
+        reference was dropped before this free: the reclaim freed it, and it
+        may hold another allocation now)."""
+        try:
+            self.free_chunks(self.chunk_of(offset), timeout, HEAD, owner)
+        except ValueError:
+            if self.owner_fresh(self.chunk_of(offset)) == owner:
+                raise  # still that allocation: the refusal was another matter
+            return False
+        return True
+
     def free(self, offset: int, timeout: float | None = None) -> None:
         """Give back what `alloc` returned, from any node."""
         chunk = self.chunk_of(offset)
@@ -564,6 +616,24 @@ class Allocator:
             raise ValueError(f"offset {offset} (chunk {chunk}, {KINDS[owner.kind]}) is not the "
                              f"start of an allocation")
         self.free_chunks(chunk, timeout)
+
+    def forget_lost_slabs(self) -> list[int]:
+        """Forget the slabs this node's heap lists whose chunk the pool no
+        longer gives to this node's incarnation (reclaimed while the node
+        was judged gone, R6), so that no block is ever carved from another
+        owner's memory; returns their chunks.  A heap lists a slab only
+        after the pool's records name it (`alloc`), and forgets it before
+        they are cleared (`trim`), so a listed slab the records disown was
+        reclaimed."""
+        if self.heap is None:
+            return []
+        lost = []
+        for chunk, _, _ in self.heap.slabs():
+            owner = self.owner_fresh(chunk)
+            if (owner.kind, owner.node, owner.epoch) != (SLAB, self.node, self.pool.epoch):
+                self.heap.forget_slab(chunk)
+                lost.append(chunk)
+        return lost
 
     def trim(self, timeout: float | None = None) -> int:
         """Give this node's empty slabs back to the pool; returns how many."""

@@ -155,6 +155,11 @@ def _pool_fsck(args: argparse.Namespace) -> int:
         for problem in report["problems"]:
             fixed = f"  -> {problem['repair']}" if "repair" in problem else ""
             print(f"  {problem['area']} @ {problem['offset']}: {problem['problem']}{fixed}")
+        for entry in report["reclaimable"]:
+            fixed = f"  -> {entry['repair']}" if "repair" in entry else \
+                "  (the allocator takes it back when it needs room)"
+            print(f"  reclaimable: {entry['area']} @ {entry['offset']}: "
+                  f"{entry['reclaimable']}{fixed}")
     return 0 if report["ok"] else 1
 
 

@@ -54,13 +54,14 @@ from collections.abc import Sequence
 import numpy as np
 
 from tract._native._region import xxh64
+from tract.errors import LeaseLost, LockTimeout, PoolFull
 from tract.hashing import BlockHasher
 from tract.index import Hits
 from tract.stats import COUNTERS
 from tract.testing import faults
 from tract.transfer import KVLayout, TransferEngine
 
-__all__ = ["RELEASE_EVERY", "Connector", "Offer", "Taken"]
+__all__ = ["NO_OFFER", "RELEASE_EVERY", "Connector", "Offer", "Taken"]
 
 RELEASE_EVERY = 0.01  # seconds between the cache calls' checks of this process's offers
 LINE = 64
@@ -71,6 +72,8 @@ _TAKEN_AT, _KEYS_AT = LINE, 2 * LINE
 _MAGIC = b"tractHO2"
 _TAKEN = 0x7A6B_656E_7461_6B65  # the taken word: nonce ^ this
 _TICKET = re.compile(r"tract:([0-9a-f]{1,16})\.([0-9a-f]{16})")
+#: the ticket of an offer a full pool had no room for: `take` loads nothing
+NO_OFFER = "tract:0.0000000000000000"
 
 
 @dataclasses.dataclass
@@ -113,13 +116,16 @@ class Connector:
         self.transfer = TransferEngine(pool, layout, checksum=checksum)
         self.hasher = BlockHasher(pool.header.hash_key, layout.block_size,
                                   namespace=layout.namespace(), salt=salt)
+        if not (isinstance(handoff_ttl, (int, float)) and 0 < handoff_ttl < float("inf")):
+            raise ValueError(f"handoff_ttl must be a positive number of seconds, got "
+                             f"{handoff_ttl!r}")
         self.ttl, self.timeout, self.salt = handoff_ttl, timeout, salt
         self._digest_hasher: BlockHasher | None = None  # made by `digest_keys`
         self.offers: dict[str, Offer] = {}
         self._retired: list[tuple[float, int]] = []  # (free at, record offset) heap
         self._released = float("-inf")
         #: this process's counts (the pool keeps its node's: `Pool.counters`)
-        self.stats = dict.fromkeys([*COUNTERS, "expired"], 0)
+        self.stats = dict.fromkeys([*COUNTERS, "expired", "not_stored", "not_offered"], 0)
 
     def _count(self, **deltas: int) -> None:
         for name, delta in deltas.items():
@@ -180,6 +186,8 @@ class Connector:
         keys = self.keys(tokens_or_hashes)[:len(blocks)]
         hits = self.index.pin(keys)
         try:
+            if len(hits) < len(blocks):  # what no hit fills is checked all the same
+                self.transfer.check(blocks[len(hits):])
             loaded = self._load_hits(hits, blocks)
         finally:
             self.index.unpin(hits)
@@ -203,13 +211,42 @@ class Connector:
 
     def store(self, tokens_or_hashes, blocks: Sequence) -> int:
         """Store the blocks of the keys that the pool lacks; returns how
-        many were published (blocks present already are not copied)."""
+        many were published (blocks present already are not copied).
+
+        A full pool is not an error: the index evicts to make room, and
+        when it cannot make room for every block, the leading blocks that
+        fit are stored and the others counted in ``stats["not_stored"]``
+        (a cache that lacks them is still correct: the engine recomputes).
+        A lock lost to a manager's take-over (or not had in ``timeout``)
+        stores nothing and counts the blocks the same way.  Raises only for
+        misuse: fewer keys than blocks, or blocks that do not fit the
+        layout (`ValueError`)."""
         self._release_now_and_then()
-        keys = self.keys(tokens_or_hashes)[:len(blocks)]
+        keys = self.keys(tokens_or_hashes)
+        if keys.shape[0] < len(blocks):
+            raise ValueError(f"store: {len(blocks)} blocks but keys for {keys.shape[0]} "
+                             f"(tokens name whole blocks of {self.layout.block_size}); pass a "
+                             f"key for every block")
+        keys = keys[:len(blocks)]
         if not keys.shape[0]:
             return 0
-        reserved = self.index.reserve(keys, self.layout.block_bytes,
-                                      tokens=self.layout.block_size, timeout=self.timeout)
+        self.transfer.check(blocks)
+        reserved, fitted = None, keys.shape[0]
+        while reserved is None:
+            try:
+                reserved = self.index.reserve(keys[:fitted], self.layout.block_bytes,
+                                              tokens=self.layout.block_size,
+                                              timeout=self.timeout)
+            except PoolFull:  # no room for them all: the leading half, and so on
+                fitted //= 2
+                if not fitted:
+                    break
+            except (LeaseLost, LockTimeout):  # a lock lost or not had: nothing was written
+                fitted = 0
+                break
+        self.stats["not_stored"] += keys.shape[0] - fitted
+        if reserved is None:
+            return 0
         taken = np.flatnonzero(reserved.taken)
         if not taken.size:
             return 0
@@ -221,7 +258,15 @@ class Connector:
         faults.point("store.copied")  # copied, not yet published
         checksums = np.zeros(len(reserved), dtype=np.uint64)
         checksums[taken] = sums
-        published = int(sum(self.index.publish(reserved, checksums, timeout=self.timeout)))
+        try:
+            published = int(sum(self.index.publish(reserved, checksums, timeout=self.timeout)))
+        except (LeaseLost, LockTimeout):  # not published: withdrawn when the lock allows
+            try:
+                self.index.abort(reserved, timeout=self.timeout)
+            except (LeaseLost, LockTimeout):
+                pass  # WRITING entries of this node: reusable once its lease lapses
+            self.stats["not_stored"] += int(taken.size)
+            return 0
         self._count(stored_blocks=published, written_bytes=published * self.layout.block_bytes)
         return published
 
@@ -237,9 +282,13 @@ class Connector:
         """Prefill side: store a request's blocks and pin them for the
         decode side for ``ttl`` seconds.  Returns the ticket to pass to the
         decode side's `take` (the offer's leading blocks:
-        ``len(offers[request_id].hits)``)."""
+        ``len(offers[request_id].hits)``): `NO_OFFER`, counted in
+        ``stats["not_offered"]``, when a full pool has no room left even for
+        the handoff record (the decode side then recomputes)."""
         if request_id in self.offers:
             raise ValueError(f"request {request_id!r} is already offered")
+        if ttl is not None and not (isinstance(ttl, (int, float)) and 0 < ttl < float("inf")):
+            raise ValueError(f"offer ttl must be a positive number of seconds, got {ttl!r}")
         keys = self.keys(tokens_or_hashes)[:len(blocks)]
         self.store(keys, blocks)
         hits = self.index.pin(keys)
@@ -251,12 +300,16 @@ class Connector:
         check = xxh64(head[:_CHECKED] + chosen, nonce)
         body = head[:_CHECKED] + struct.pack("<Q", check) + bytes(_KEYS_AT - _HEAD.size) + chosen
         try:
-            record = self.pool.alloc(len(body), self.timeout)
+            record = self.index.alloc(len(body), self.timeout)
             try:
                 self.pool.region.copy_in(record, body)  # in memory on return (R3)
             except BaseException:
                 self.pool.free(record)
                 raise
+        except (PoolFull, LeaseLost, LockTimeout):  # no record: the decode side recomputes
+            self.index.unpin(hits)
+            self.stats["not_offered"] += 1
+            return NO_OFFER
         except BaseException:
             self.index.unpin(hits)
             raise
@@ -271,6 +324,9 @@ class Connector:
         producer dead, its record reused) loads nothing: the engine
         recomputes."""
         offset, nonce = _ticket(ticket)
+        if ticket == NO_OFFER:
+            self._count(handoff_misses=1, miss_blocks=len(blocks))
+            return Taken(0, 0)
         low, high = self.index.heap
         if offset % LINE or not low <= offset <= high - _KEYS_AT:
             raise ValueError(f"handoff ticket {ticket!r} names offset {offset}, which is not a "

@@ -10,8 +10,14 @@ What is checked (every read fresh, R4; nothing trusted, R5):
   points into it); extents whole (a head whose tails point back at it);
 - the object directory and the prefix index: every record and entry whole,
   in range and pointing at allocated chunks;
-- the slab heaps of the nodes on this host: every slab is the node's in the
-  pool, and no block belongs to a process that is gone unless referenced.
+- the slab heaps of the live nodes on this host: every slab is the node's
+  in the pool.
+
+What needs a repair is a *problem* (``ok`` is False while one is left).
+Memory whose owner is gone and that nothing references is *reclaimable*,
+not a problem: the allocator takes it back by itself when it needs room
+(dead owners' chunks, `Allocator.reclaimable`).  Blocks of a live node's
+slab whose process is gone are still a problem (``--repair`` frees them).
 
 Owners are judged dead as the allocator judges them (`Allocator.dead_owner`):
 a node epoch that is not current, a node that left or whose heartbeat stood
@@ -19,8 +25,8 @@ still for a lease (fsck watches the heartbeats for one lease first), or, on
 this host, an extent's process that is gone.
 
 ``--repair`` (as node K, under the ``alloc``, ``objects`` and ``index``
-locks) clears stale owner records, returns leaked chunks and blocks of dead
-owners, tombstones torn object records and index entries and ones pointing
+locks) clears stale owner records, returns leaked chunks, frees what is
+reclaimable now, tombstones torn object records and index entries and ones pointing
 at free chunks.
 """
 
@@ -35,7 +41,7 @@ from tract._native._nodeheap import NodeHeap
 from tract.alloc import FREE, HEAD, KINDS, OWNER_BYTES, SLAB, TAIL, pid_alive
 from tract.errors import CorruptionError
 from tract.lock import _GRANT_STATES, _grant_check
-from tract.pool import SLAB_MIN_BLOCK, Pool, _NodeLocal
+from tract.pool import MEMBERS, SLAB_MIN_BLOCK, Pool, _NodeLocal
 from tract.region import open_region
 
 __all__ = ["fsck"]
@@ -46,7 +52,8 @@ def fsck(path: str, *, repair: bool = False, node: int | None = None,
     """Check the pool at ``path``; with ``repair``, fix what can be fixed
     (needs ``node``, the node id to act as).  ``watch``: observe heartbeats
     for one lease before judging who is dead.  Returns ``{"ok", "chunks",
-    "problems", "repaired"}``; ``ok`` is True when nothing is left wrong."""
+    "problems", "reclaimable", "repaired"}``; ``ok`` is True when nothing
+    left needs a repair."""
     if repair and node is None:
         raise ValueError("fsck --repair takes locks, so it needs the node id to act as (--node)")
     pool = Pool.open(path, node, manager=True) if repair else Pool.observe(path)
@@ -62,12 +69,23 @@ class _Check:
         self.region, self.header = pool.region, pool.header
         self.allocator = pool.allocator
         self.problems: list[dict] = []
+        self.reclaimable: list[dict] = []
         self.repaired: list[dict] = []
 
     def problem(self, area: str, offset: int, text: str, fix=None) -> None:
         entry = {"area": area, "offset": offset, "problem": text}
         self.problems.append(entry)
         if fix is not None and self.repair:
+            entry["repair"] = fix()
+            self.repaired.append(entry)
+
+    def reclaim(self, area: str, offset: int, text: str, fix) -> None:
+        """Memory of owners that are gone, which the allocator takes back by
+        itself when it needs room (no repair needed); ``--repair`` frees it
+        now."""
+        entry = {"area": area, "offset": offset, "reclaimable": text}
+        self.reclaimable.append(entry)
+        if self.repair:
             entry["repair"] = fix()
             self.repaired.append(entry)
 
@@ -89,7 +107,7 @@ class _Check:
         self._slabs()
         left = [p for p in self.problems if p not in self.repaired]
         return {"ok": not left, "chunks": chunks, "problems": self.problems,
-                "repaired": self.repaired}
+                "reclaimable": self.reclaimable, "repaired": self.repaired}
 
     # ---------------------------------------------------------------- nodes
 
@@ -195,7 +213,7 @@ class _Check:
                          f"{beyond[:8].tolist()}")
         referenced = self._references()
         local = self.pool.nodes_on_this_host()
-        counts = dict(free=0, owned=0, referenced=0, slab=0, leaked=0)
+        counts = dict(free=0, owned=0, referenced=0, slab=0, reclaimable=0, leaked=0)
         owners = {}
         for chunk in range(nchunks):
             where = layout.owner(chunk)
@@ -253,10 +271,10 @@ class _Check:
             else:
                 counts["owned"] += count
             if not is_referenced and allocator.dead_owner(owner, owner.node in local):
-                counts["leaked"] += count
-                self.problem("allocator", where, f"{KINDS[owner.kind]} at chunk {chunk} "
+                counts["reclaimable"] += count
+                self.reclaim("allocator", where, f"{KINDS[owner.kind]} at chunk {chunk} "
                              f"({count} chunks) of node {owner.node} epoch {owner.epoch} pid "
-                             f"{owner.pid}, which is gone, is referenced by nothing (leaked)",
+                             f"{owner.pid}, which is gone, is referenced by nothing",
                              lambda c=chunk, n=count: self._free(c, n))
             chunk += count
         counts["total"] = nchunks
@@ -285,7 +303,7 @@ class _Check:
         header, pool = self.header, self.pool
         referenced = {record.offset for record in pool.objects.list()} | \
             {offset for offset, _ in pool.index.referenced()}
-        _, heap_offset, size = _NodeLocal.shape(header)
+        members, heap_offset, size = _NodeLocal.shape(header)
         for node in sorted(pool.nodes_on_this_host()):
             path = _NodeLocal.path_of(header, node)
             try:
@@ -294,6 +312,8 @@ class _Check:
                 self.problem("node heap", 0, f"node {node}'s local file {path}: {error}")
                 continue
             try:
+                if not any(pid_alive(pid) for pid in local.load_u64s(members, MEMBERS)):
+                    continue  # no process of the node is left: its heap is a past one
                 heap = NodeHeap(local, LocalMutex(local, heap_offset), heap_offset,
                                 header.nchunks, header.chunk_size, SLAB_MIN_BLOCK, header.heap)
                 self._slab_heap(node, heap, referenced)
@@ -304,8 +324,11 @@ class _Check:
     def _slab_heap(self, node: int, heap: NodeHeap, referenced: set[int]) -> None:
         allocator = self.allocator
         _, epoch, _ = self.pool.nodes.read(node)
-        if heap.epoch != epoch:
-            return  # a past incarnation's heap: its chunks are judged in the pool
+        if heap.epoch != epoch or not self.pool.space.liveness.live(node):
+            # a past incarnation's heap, or a node that left or lapsed: its file is no
+            # longer the truth (the pool may have reclaimed its slabs); its chunks are
+            # judged in the pool, as a dead owner's
+            return
         for chunk, size, used in heap.slabs():
             allocator._fresh_owners(chunk, 1)
             self.region.fence()

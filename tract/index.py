@@ -408,7 +408,9 @@ class Index:
                 return evicted
             window *= 4
 
-    def _alloc(self, size: int, timeout: float | None) -> int:
+    def alloc(self, size: int, timeout: float | None = None) -> int:
+        """`Pool.alloc`, evicting to make room when the pool is full
+        (`PoolFull` only when nothing in the index can be evicted)."""
         for _ in range(8):
             try:
                 return self.pool.alloc(size, timeout)
@@ -441,7 +443,7 @@ class Index:
                 except PoolFull:  # make room below, one at a time
                     pass
             for size in each[len(payloads):]:
-                payloads.append(self._alloc(size, timeout))
+                payloads.append(self.alloc(size, timeout))
         except BaseException:
             for offset in payloads:
                 self.pool.free(offset)
@@ -635,7 +637,7 @@ class Index:
         returns the slots evicted."""
         run = min(EVICT_RUN, self.capacity)
         slots = (runs[:, None] * run + np.arange(run)).ravel()
-        freed, evicted_slots = [], []
+        freed, owners, evicted_slots = [], [], []
         with self.pool.lock("index")(timeout) as lock:
             entries = self._read(self._entries(slots)).copy()
             low, high = self.heap
@@ -663,6 +665,10 @@ class Index:
                 marked[:, 2] += np.uint64(1)
                 evicted = pins == 0
                 freed = marked[evicted, 4].astype(np.int64).tolist()
+                # an extent's owner, read while its entry still names it: if its owner
+                # dies, the allocator may reclaim it once the entry is a tombstone,
+                # before the free below, and give it to another allocation
+                owners = [self.pool.allocator.extent_owner(offset) for offset in freed]
                 evicted_slots = slots[chosen[evicted]].tolist()
                 gone, kept = marked[evicted], marked[~evicted]
                 self._tombstone(gone)
@@ -674,8 +680,11 @@ class Index:
                 self._write(slots[chosen], entries[chosen])
             for first in range(0, slots.size, run):
                 self._lower_reaches(slots[first:first + run], entries[first:first + run], lock)
-        for offset in freed:  # tombstones are in memory (the release fenced them)
-            self.pool.free(offset)
+        for offset, owner in zip(freed, owners):  # the tombstones are in memory (released)
+            if owner is None:
+                self.pool.free(offset)
+            else:
+                self.pool.allocator.free_extent_of(offset, owner)
         if freed:
             self.pool.stats.add(evictions=len(freed))
         return evicted_slots

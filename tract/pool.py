@@ -287,6 +287,8 @@ class Pool:
         self._locks: dict[str, Lock] = {}
         self._fast_paths: dict[int, ManagerFastPath] = {}
         self.allocator = Allocator(self, self.alloc_layout, heap)
+        if heap is not None:  # joined a running incarnation: its heap may list lost slabs
+            self.allocator.forget_lost_slabs()
         self.objects = ObjectStore(self, header.objects, header.max_objects,
                                    (header.heap, header.heap_end))
         self.allocator.add_referrer(lambda: [(r.offset, r.size) for r in self.objects.list()])
@@ -552,15 +554,43 @@ class Pool:
         self._threads.clear()
 
     def close(self) -> None:
-        self._stop_threads()
-        if self.stats is not None and not self.region.closed:
-            self.stats.publish()
-        self._locks.clear()
-        self._fast_paths.clear()
-        self.allocator.heap = None
-        if self._local is not None:
-            self._local.close()
-        self.region.close()
+        """Close this process's handle.  The node's last process (no other
+        live one in the node-local member list, judged and acted on under
+        its flock, so no process joins meanwhile) first hands back what the
+        node holds that nothing references and leaves the node table
+        (`_hand_back`): a clean close leaves a clean pool."""
+        try:
+            if self._local is not None and not self.region.closed:
+                self._local.lock()
+                if self._local.alone():
+                    self._hand_back()
+            self._stop_threads()
+            if self.stats is not None and not self.region.closed:
+                self.stats.publish()
+        finally:
+            self._locks.clear()
+            self._fast_paths.clear()
+            self.allocator.heap = None
+            if self._local is not None:
+                self._local.close()
+            self.region.close()
+
+    def _hand_back(self) -> None:
+        """The node's last process closes: free the blocks other nodes
+        queued for its slabs and those of its gone processes, give back its
+        empty slabs, then leave, so that every other node judges the rest
+        (slabs and extents still referenced by the index or an object) as a
+        gone owner's at once, to reclaim once unreferenced (R6).  What a
+        lease of waiting for the ``alloc`` lock cannot give back stays,
+        reclaimable; a process whose own lease lapsed writes nothing."""
+        if not self.space.liveness.live(self.node):
+            return
+        try:
+            self.allocator.drain()
+            self.allocator.trim(self.header.lease_timeout)
+        except TractError:
+            pass  # left to the allocator's reclaim, once this node has left
+        self.leave()
 
     def __enter__(self) -> Pool:
         return self
@@ -644,8 +674,21 @@ class _NodeLocal:
         self._slot = free
         return others
 
+    def lock(self) -> None:
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+
     def unlock(self) -> None:
         fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def alone(self) -> bool:
+        """Whether no other live process of the node is a member (another
+        handle of this process counts); call it under `lock`."""
+        for index in range(MEMBERS):
+            slot = self.members + index * 8
+            member = self.region.load_u64(slot)
+            if slot != self._slot and member and pid_alive(member):
+                return False
+        return True
 
     def mutex(self, index: int) -> LocalMutex:
         return LocalMutex(self.region, index * SLOT_BYTES)

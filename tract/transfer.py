@@ -106,6 +106,16 @@ class CudaError(TractError):
     """A CUDA runtime call failed; the message names the call and the error."""
 
 
+def _dtype_name(block) -> str | None:
+    """The element type of a typed array or tensor (``float16``...); None
+    for raw bytes (uint8), which any layout takes."""
+    dtype = getattr(block, "dtype", None)
+    if dtype is None:
+        return None
+    name = str(dtype).removeprefix("torch.")
+    return None if name == "uint8" else name
+
+
 def _bytes_of(block) -> memoryview:
     """A flat byte view of a C-contiguous CPU array or tensor (no copy)."""
     module = type(block).__module__
@@ -140,15 +150,22 @@ class TransferEngine:
         if len(blocks) != len(offsets):
             raise ValueError(f"{len(offsets)} offsets but {len(blocks)} blocks")
         piece, want = self.layout.piece_bytes, self.layout.block_bytes
+        dtype = self.layout.dtype
         views, where = [], []
         for row, (offset, block) in enumerate(zip(np.asarray(offsets).tolist(), blocks)):
-            if type(block) is np.ndarray and block.nbytes == want and block.flags.c_contiguous:
+            if type(block) is np.ndarray and block.nbytes == want and block.flags.c_contiguous \
+                    and block.dtype == np.uint8:
                 views.append(block)  # the common case: one array per block, taken as is
                 where.append(offset)
                 continue
             segments = block if isinstance(block, (list, tuple)) else [block]
             total = 0
             for segment in segments:
+                typed = _dtype_name(segment)
+                if typed is not None and typed != dtype:
+                    raise ValueError(f"block {row}: a {typed} buffer, but layout "
+                                     f"{self.layout.model!r} holds {dtype} (raw uint8 bytes "
+                                     f"are taken as they are)")
                 if type(segment) is np.ndarray and segment.flags.c_contiguous:
                     view, size = segment, segment.nbytes  # taken as is: no view to make
                 else:
@@ -164,6 +181,12 @@ class TransferEngine:
                 raise ValueError(f"block {row} has {total} bytes; layout {self.layout.model!r} "
                                  f"blocks have {want}")
         return np.array(where, dtype=np.int64), views
+
+    def check(self, blocks: Sequence) -> None:
+        """Refuse ``blocks`` that do not fit the layout (size, segments,
+        element type), as a copy would: for blocks nothing is copied into."""
+        if len(blocks) and not self._on_cuda(blocks[0]):
+            self._segments(np.zeros(len(blocks), np.int64), blocks)
 
     def _offsets(self, offsets) -> np.ndarray:
         """The pool offset of every piece of the blocks at ``offsets``."""

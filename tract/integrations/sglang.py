@@ -220,9 +220,10 @@ class TractHiCacheStorage(HiCacheStorage):
                 connector, tract_keys = self._ready(), self._keys(keys)
                 if load:
                     done = connector.load(tract_keys, blocks())
-                else:
+                else:  # the trailing pages a full pool could not take are not backed up
+                    before = connector.stats["not_stored"]
                     connector.store(tract_keys, blocks())
-                    done = len(keys)
+                    done = len(keys) - (connector.stats["not_stored"] - before)
         except Exception:
             log.exception("tract: %s of %d pages failed", "load" if load else "store", len(keys))
             return [False] * len(keys)
