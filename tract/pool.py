@@ -287,7 +287,7 @@ class Pool:
         self._locks: dict[str, Lock] = {}
         self._fast_paths: dict[int, ManagerFastPath] = {}
         self.allocator = Allocator(self, self.alloc_layout, heap)
-        if heap is not None:  # joined a running incarnation: its heap may list lost slabs
+        if heap is not None:  # a heap kept from a running incarnation may list lost slabs
             self.allocator.forget_lost_slabs()
         self.objects = ObjectStore(self, header.objects, header.max_objects,
                                    (header.heap, header.heap_end))
@@ -577,8 +577,7 @@ class Pool:
 
     def _hand_back(self) -> None:
         """The node's last process closes: free the blocks other nodes
-        queued for its slabs and those of its gone processes, give back its
-        empty slabs, then leave, so that every other node judges the rest
+        queued for its slabs, give back its empty slabs, then leave, so that every other node judges the rest
         (slabs and extents still referenced by the index or an object) as a
         gone owner's at once, to reclaim once unreferenced (R6).  What a
         lease of waiting for the ``alloc`` lock cannot give back stays,
