@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from tract.connector import Connector, Taken
+from tract.connector import NO_OFFER, Connector, Taken
 from tract.fsck import fsck
 from tract.pool import Pool, format_pool
 from tract.testing.incoherent import SimPool, SimulationFailure
@@ -402,6 +402,7 @@ def test_misused_inputs_are_refused_by_name(pool):
             connector.offer(f"r{ttl}", tokens, blocks, ttl=ttl)
     with pytest.raises(ValueError, match="handoff_ttl must be a positive number"):
         Connector(pool, LAYOUT, handoff_ttl=0)
+    assert connector.take(NO_OFFER, _empty(3)) == Taken(0, 0)  # what a full pool offers
     halves = [block.view(np.float16) for block in blocks]  # the layout's own dtype
     assert connector.store(_tokens(9, 3), halves) == 3
 
