@@ -568,6 +568,37 @@ def test_allocation_pressure_evicts_the_stalest(pool_path):
         pool.index.unpin(pinned)
 
 
+def test_a_multi_chunk_block_evicts_one_run_in_a_fragmented_heap(pool_path):
+    """A heap full of one-chunk payloads whose stalest entries lie every
+    other chunk: a two-chunk payload evicts the two entries of one run
+    (the stalest run), not a sample of stale entries scattered over the
+    heap that frees no run, and a run held by a pinned entry or a slab is
+    never chosen."""
+    _create(pool_path, size=4 << 20)
+    with Pool.open(pool_path, 0, manager=True) as pool:
+        stamps = iter(range(1, 10**6))
+        pool.index.stamp = lambda: next(stamps)
+        hasher = BlockHasher(pool.header.hash_key, 4)
+        chunk, nchunks = pool.header.chunk_size, pool.header.nchunks
+        at = {}  # chunk -> the key whose payload it holds
+        for key in hasher(np.arange(4 * nchunks, dtype=np.int32)):
+            reserved, _ = _publish(pool, key[None], size=chunk)
+            at[pool.allocator.chunk_of(reserved[0].offset)] = key[None]
+        assert sorted(at) == list(range(nchunks)) and pool.allocator.taken_chunks().all()
+        for first in range(1, nchunks, 2):  # odd chunks fresher, oldest first
+            pool.index.unpin(pool.index.pin(at[first]))
+        pinned = pool.index.pin(at[1])  # the stalest run holds a pin
+        reserved, published = _publish(pool, hasher(np.arange(4, dtype=np.int32) + 10**6),
+                                       size=2 * chunk)
+        assert published == [True]
+        first = pool.allocator.chunk_of(reserved[0].offset)
+        gone = [c for c in range(nchunks) if pool.index.lookup(at[c]) == 0]
+        assert first == 2 and gone == [2, 3], (first, gone)  # chunk 3 is the next stalest
+        pool.index.unpin(pinned)
+        report = fsck(pool_path, watch=False)
+        assert report["ok"], report["problems"]
+
+
 def test_a_full_index_evicts_then_says_so(pool_path):
     _create(pool_path, capacity=8)
     with Pool.open(pool_path, 0, manager=True) as pool:

@@ -520,12 +520,49 @@ class Allocator:
 
     # ------------------------------------------------------------ objects
 
+    def extent_chunks(self, size: int) -> int:
+        """How many chunks an allocation of ``size`` bytes takes (0: it is a
+        block of a slab)."""
+        if self.heap is not None and size <= self.heap.max_size:
+            return 0
+        return -(-size // self.chunk_size)
+
+    def taken_chunks(self) -> np.ndarray:
+        """Which chunks are taken (one bool per chunk), read fresh without
+        the lock: a hint (eviction looking for a run to free), never a
+        decision to allocate."""
+        bits = np.unpackbits(self._bitmap().view(np.uint8), bitorder="little")
+        return bits[:self.nchunks].astype(np.bool_)
+
+    def extents_in(self, first: int, count: int) -> list[tuple[int, int]] | None:
+        """(first chunk, chunk count) of each extent that holds a chunk of
+        run [first, first + count), by the owner records read fresh (R4);
+        None when a chunk of it is a slab (only its node frees those), or
+        when a record reads as no valid one: read without the lock, it may
+        be mid-write (the caller only plans by it)."""
+        self._fresh_owners(first, count)
+        self.region.fence()
+        extents = []
+        try:
+            for chunk in range(first, first + count):
+                owner = self.owner(chunk)
+                if owner.kind == SLAB:
+                    return None
+                if owner.kind == HEAD:
+                    extents.append((chunk, owner.run))
+                elif owner.kind == TAIL and not (extents and extents[-1][0] == owner.run):
+                    extents.append((owner.run, self.owner_fresh(owner.run).run))
+        except CorruptionError:
+            return None
+        return extents
+
     def alloc(self, size: int, timeout: float | None = None) -> int:
         """Pool offset of ``size`` fresh bytes (a slab block, or whole chunks)."""
         if size <= 0:
             raise ValueError(f"allocation size must be positive, got {size}")
         heap = self.heap
-        if heap is not None and size <= heap.max_size:
+        count = self.extent_chunks(size)
+        if not count:
             offset = heap.alloc(size)
             if offset >= 0:
                 return offset
@@ -544,7 +581,6 @@ class Allocator:
             if offset < 0:  # another process of this node took the whole slab
                 return self.alloc(size, timeout)
             return offset
-        count = -(-size // self.chunk_size)
         try:
             return self.offset_of(self.alloc_chunks(count, HEAD, timeout))
         except PoolFull:

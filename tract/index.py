@@ -409,13 +409,17 @@ class Index:
             window *= 4
 
     def alloc(self, size: int, timeout: float | None = None) -> int:
-        """`Pool.alloc`, evicting to make room when the pool is full
-        (`PoolFull` only when nothing in the index can be evicted)."""
+        """`Pool.alloc`, evicting to make room when the pool is full: a
+        whole run of chunks for a multi-chunk extent (`_make_run`), else
+        the stalest entries sampled (`PoolFull` only when nothing in the
+        index can be evicted)."""
+        run = self.pool.allocator.extent_chunks(size)
         for _ in range(8):
             try:
                 return self.pool.alloc(size, timeout)
             except PoolFull:
-                if not self._make_room(8, timeout):
+                if not (run > 1 and self._make_run(run, timeout)) \
+                        and not self._make_room(8, timeout):
                     raise
         return self.pool.alloc(size, timeout)
 
@@ -617,18 +621,88 @@ class Index:
         hit = codes == HIT
         if not hit.any():
             return removed
+        gone = set(self._evict_named(found[hit], keys[hit], timeout))
+        removed[hit] = [slot in gone for slot in found[hit].tolist()]
+        return removed
+
+    def _evict_named(self, slots: np.ndarray, keys: np.ndarray,
+                     timeout: float | None) -> list[int]:
+        """Evict the entries at ``slots`` that still hold ``keys`` and that
+        no live node pins; returns the slots evicted."""
         run = min(EVICT_RUN, self.capacity)
-        wanted = {int(slot): (int(key[0]), int(key[1]))
-                  for slot, key in zip(found[hit].tolist(), keys[hit])}
+        wanted = {int(slot): (int(key[0]), int(key[1])) for slot, key in zip(slots.tolist(), keys)}
 
         def named(slots, entries, candidates, stamps):
             return np.array([i for i in candidates.tolist()
                              if wanted.get(int(slots[i])) == (int(entries[i, 0]),
                                                               int(entries[i, 1]))],
                             dtype=np.int64)
-        gone = set(self._evict(np.unique(found[hit] // run), named, timeout))
-        removed[hit] = [slot in gone for slot in found[hit].tolist()]
-        return removed
+        return self._evict(np.unique(slots // run), named, timeout)
+
+    def _make_run(self, count: int, timeout: float | None) -> int:
+        """Evict the entries whose payloads fill a run of ``count`` chunks,
+        for an extent that finds no free run in a fragmented heap (sampled
+        eviction frees chunks scattered over it); returns how many were
+        evicted (0: no run holds only free chunks and unpinned READY
+        extents).  Of the runs that would do, the one whose newest access
+        stamp is oldest is freed, the one with the most free chunks on a
+        tie.  The table and the bitmap are read without a lock, as a plan:
+        the run's owner records are checked against it, the eviction
+        re-checks each entry under the ``index`` lock, and the allocation
+        that follows decides under its own."""
+        allocator = self.pool.allocator
+        nchunks = allocator.nchunks
+        if count > nchunks:
+            return 0
+        slots, entries = self._ready_extents()
+        live = [node for node in range(self.max_nodes) if self.pool.space.liveness.live(node)]
+        pins, stamps = self._pins(slots, live)
+        slots, entries, stamps = slots[pins == 0], entries[pins == 0], stamps[pins == 0]
+        offsets = entries[:, 4].astype(np.int64)
+        firsts = (offsets - allocator.base) // allocator.chunk_size
+        spans = (offsets + entries[:, 5].astype(np.int64) - 1 - allocator.base) \
+            // allocator.chunk_size - firsts + 1
+        # per chunk: -1 free, the stamp of the entry whose extent holds it, or
+        # `blocked` (slabs, pinned or unfinished entries, other objects)
+        blocked = np.int64(2**62)
+        cost = np.where(allocator.taken_chunks(), blocked, np.int64(-1))
+        holder = np.full(nchunks, -1, dtype=np.int64)
+        rows = np.repeat(np.arange(slots.size), spans)
+        held = np.repeat(firsts - np.cumsum(spans) + spans, spans) + np.arange(rows.size)
+        cost[held], holder[held] = stamps[rows], rows
+        starts = nchunks - count + 1
+        for _ in range(4):  # a run whose records disagree with the plan: the next one
+            newest = np.max([cost[i:i + starts] for i in range(count)], axis=0)
+            taken = np.sum([holder[i:i + starts] >= 0 for i in range(count)], axis=0)
+            best = int(np.lexsort((taken, newest))[0])
+            if newest[best] >= blocked:
+                return 0
+            chosen = np.unique(holder[best:best + count][holder[best:best + count] >= 0])
+            planned = set(zip(firsts[chosen].tolist(), spans[chosen].tolist()))
+            extents = allocator.extents_in(best, count)
+            if extents is not None and set(extents) <= planned:
+                return len(self._evict_named(slots[chosen], entries[chosen, :2], timeout))
+            cost[best:best + count] = blocked
+        return 0
+
+    def _ready_extents(self) -> tuple[np.ndarray, np.ndarray]:
+        """(slots, entries) of every whole READY entry whose payload is an
+        extent of the heap (whole chunks: more than half a chunk, starting
+        at a chunk), fresh."""
+        allocator = self.pool.allocator
+        low, high = self.heap
+        found_slots, found = [np.zeros(0, np.int64)], [np.zeros((0, LINE // 8), np.uint64)]
+        for first in range(0, self.capacity, 4096):
+            slots = np.arange(first, min(first + 4096, self.capacity))
+            entries = self._read(self._entries(slots))
+            offsets, lengths = entries[:, 4].astype(np.int64), entries[:, 5].astype(np.int64)
+            keep = (self._whole(entries) & ((entries[:, 3] & np.uint64(0xFF)) == READY)
+                    & (offsets >= low) & (lengths > allocator.chunk_size // 2)
+                    & (lengths <= high - offsets)
+                    & ((offsets - allocator.base) % allocator.chunk_size == 0))
+            found_slots.append(slots[keep])
+            found.append(entries[keep].copy())
+        return np.concatenate(found_slots), np.concatenate(found)
 
     def _evict(self, runs: np.ndarray, choose, timeout: float | None) -> list[int]:
         """Evict, among the runs of `EVICT_RUN` slots numbered ``runs``,
