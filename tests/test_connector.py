@@ -407,6 +407,30 @@ def test_misused_inputs_are_refused_by_name(pool):
     assert connector.store(_tokens(9, 3), halves) == 3
 
 
+def test_store_each_says_which_blocks_the_pool_holds(pool_path):
+    """A pool whose every entry is pinned stores nothing new and says so
+    block by block (blocks present already are held); once unpinned, the
+    same store evicts and holds them all."""
+    Pool.create(pool_path, 8 << 20, chunk_size=1 << 16, max_nodes=4, index_capacity=8)
+    with Pool.open(pool_path, 0, manager=True) as pool:
+        connector = Connector(pool, LAYOUT)
+        tokens = _tokens(20, 8)
+        published, kept = connector.store_each(tokens, _kv(tokens))
+        assert published == 8 and kept.tolist() == [True] * 8
+        hits = pool.index.pin(connector.keys(tokens))  # nothing left to evict
+        assert len(hits) == 8
+        more = np.concatenate([tokens[:2 * LAYOUT.block_size], _tokens(21, 3)])
+        published, kept = connector.store_each(more, _kv(more))
+        assert published == 0 and kept.tolist() == [True, True, False, False, False]
+        assert connector.stats["not_stored"] == 3
+        pool.index.unpin(hits)
+        published, kept = connector.store_each(more, _kv(more))
+        assert kept.all() and 3 <= published <= 5 and connector.stats["not_stored"] == 3
+        out = _empty(5)
+        assert connector.load(more, out) == 5
+        assert all((a == b).all() for a, b in zip(out, _kv(more)))
+
+
 # a layout whose blocks take two chunks (of 64 KiB) and one a slab serves
 WIDE = KVLayout(model="wide", dtype="float16", num_layers=4, num_kv_heads=4, head_size=64,
                 block_size=32)  # 4 * 4 * 64 * 32 * 2 * 2 bytes = 128 KiB: two chunks
@@ -429,9 +453,9 @@ def _fill(path, node, seed, rounds, results):
                 blocks = [rng.integers(0, 256, layout.block_bytes, dtype=np.uint8)
                           for _ in range(4)]
                 before = connector.stats["not_stored"]
-                published = connector.store(tokens, blocks)
+                published, kept = connector.store_each(tokens, blocks)
                 missed = connector.stats["not_stored"] - before
-                assert published + missed <= 4
+                assert missed == 4 - kept.sum() and published <= kept.sum()
                 stored += published
                 not_stored += missed
                 out = [np.zeros(layout.block_bytes, np.uint8) for _ in range(4)]

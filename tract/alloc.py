@@ -211,6 +211,9 @@ class Allocator:
         ) if isinstance(self.region, Region) else None
         self.rejected: list[str] = []
         self._alloc_lock = None  # remote frees that named no block of ours
+        # blocks of this node's slabs held by dead processes: when first seen
+        self._dead_seen: dict[tuple[int, int], float] = {}
+        self._dead_looked = float("-inf")
 
     # ------------------------------------------------------------ records
 
@@ -428,21 +431,25 @@ class Allocator:
         """``referrer()`` returns the (offset, size) ranges it keeps alive."""
         self._referrers.append(referrer)
 
-    def referenced_chunks(self) -> set[int]:
+    def referenced_chunks(self, ranges=None) -> set[int]:
+        """The chunks the referrers' ranges (or ``ranges``) touch."""
         chunks = set()
-        for referrer in self._referrers:
-            for offset, size in referrer():
-                first = self.chunk_of(offset)
-                last = self.chunk_of(offset + max(size, 1) - 1)
-                chunks.update(range(first, last + 1))
+        for offset, size in self._references() if ranges is None else ranges:
+            first = self.chunk_of(offset)
+            last = self.chunk_of(offset + max(size, 1) - 1)
+            chunks.update(range(first, last + 1))
         return chunks
 
-    def _referenced_whole(self) -> set[int] | None:
-        """`referenced_chunks` read under the pool's ``objects`` and
-        ``index`` locks (after ``alloc``, the order fsck takes them too), so
-        no record or entry is half-written as it is read (a torn one would
-        refer to nothing, and its memory would look free to reclaim); None
-        when a lock is not had within a lease (no reclaim this time)."""
+    def _references(self) -> list[tuple[int, int]]:
+        return [span for referrer in self._referrers for span in referrer()]
+
+    def _references_whole(self) -> list[tuple[int, int]] | None:
+        """The referrers' (offset, size) ranges, read under the pool's
+        ``objects`` and ``index`` locks (after ``alloc``, the order fsck
+        takes them too), so no record or entry is half-written as it is
+        read (a torn one would refer to nothing, and its memory would look
+        free to reclaim); None when a lock is not had within a lease (no
+        reclaim this time)."""
         names = {name for _, name in self.pool.header.lock_names}
         held = []
         try:
@@ -451,7 +458,7 @@ class Allocator:
                     lock = self.pool.lock(name)
                     lock.acquire(self.pool.header.lease_timeout)
                     held.append(lock)
-            return self.referenced_chunks()
+            return self._references()
         except LockTimeout:
             return None
         finally:
@@ -494,9 +501,10 @@ class Allocator:
                 dead.append((chunk, owner.run if owner.kind == HEAD else 1, owner))
         if not dead:  # the common case under pressure: no reference scan needed
             return []
-        referenced = self._referenced_whole()
-        if referenced is None:
+        ranges = self._references_whole()
+        if ranges is None:
             return []
+        referenced = self.referenced_chunks(ranges)
         return [(chunk, count, owner) for chunk, count, owner in dead
                 if not any(c in referenced for c in range(chunk, chunk + count))]
 
@@ -540,12 +548,10 @@ class Allocator:
         None when a chunk of it is a slab (only its node frees those), or
         when a record reads as no valid one: read without the lock, it may
         be mid-write (the caller only plans by it)."""
-        self._fresh_owners(first, count)
-        self.region.fence()
         extents = []
         try:
             for chunk in range(first, first + count):
-                owner = self.owner(chunk)
+                owner = self.owner_fresh(chunk)
                 if owner.kind == SLAB:
                     return None
                 if owner.kind == HEAD:
@@ -573,8 +579,11 @@ class Allocator:
             try:
                 chunk = self.alloc_chunks(1, SLAB, timeout)
             except PoolFull:
-                if not self.trim(timeout):
+                if not (self.trim(timeout) or self.reclaim_dead_blocks(timeout)):
                     raise
+                offset = heap.alloc(size)  # a block a dead process held
+                if offset >= 0:
+                    return offset
                 chunk = self.alloc_chunks(1, SLAB, timeout)
             heap.add_slab(chunk, size)
             offset = heap.alloc(size)
@@ -584,7 +593,7 @@ class Allocator:
         try:
             return self.offset_of(self.alloc_chunks(count, HEAD, timeout))
         except PoolFull:
-            if not self.trim(timeout):
+            if not (self.trim(timeout) or self.reclaim_dead_blocks(timeout)):
                 raise
             return self.offset_of(self.alloc_chunks(count, HEAD, timeout))
 
@@ -606,28 +615,39 @@ class Allocator:
             raise
         return offsets
 
-    def extent_owner(self, offset: int) -> Owner | None:
-        """The owner record of the extent that starts at ``offset``, read
-        fresh, or None when ``offset`` starts no extent (a slab block)."""
-        chunk = self.chunk_of(offset)
-        if offset != self.offset_of(chunk):
-            return None
-        owner = self.owner_fresh(chunk)
-        return owner if owner.kind == HEAD else None
+    def payload_owner(self, offset: int) -> Owner:
+        """The owner record of the chunk that holds the allocation at
+        ``offset``, read fresh: read while something still references the
+        allocation, it lets `free_of` free it later only if it is still
+        that allocation."""
+        return self.owner_fresh(self.chunk_of(offset))
 
-    def free_extent_of(self, offset: int, owner: Owner,
-                       timeout: float | None = None) -> bool:
-        """Free the extent at ``offset`` if it still holds the allocation
-        ``owner`` (read by `extent_owner` while something referenced it);
-        False when it was reclaimed meanwhile (its owner died and the
-        reference was dropped before this free: the reclaim freed it, and it
-        may hold another allocation now)."""
-        try:
-            self.free_chunks(self.chunk_of(offset), timeout, HEAD, owner)
-        except ValueError:
-            if self.owner_fresh(self.chunk_of(offset)) == owner:
-                raise  # still that allocation: the refusal was another matter
-            return False
+    def free_of(self, offset: int, owner: Owner, timeout: float | None = None) -> bool:
+        """Free the allocation at ``offset`` if its chunk still holds what
+        ``owner`` (from `payload_owner`) named; False when the pool
+        reclaimed it meanwhile: its owner (an extent's process, a slab's
+        node) died and the reference was dropped before this free, so the
+        reclaim freed it, and it may hold another allocation now."""
+        chunk = self.chunk_of(offset)
+        if owner.kind == HEAD and offset == self.offset_of(chunk):
+            try:
+                self.free_chunks(chunk, timeout, HEAD, owner)
+            except ValueError:
+                if self.owner_fresh(chunk) == owner:
+                    raise  # still that allocation: the refusal was another matter
+                return False
+            return True
+        if owner.kind == SLAB and (owner.node, owner.epoch) != (self.node, self.pool.epoch):
+            # another node's slab (or a past incarnation's of this node): reclaimed
+            # with its node once that node is gone, in which case nothing is to free
+            if self.owner_fresh(chunk) != owner or owner.node == self.node \
+                    or self.dead_owner(owner, False):
+                return False
+            self._free_remote(owner, offset)  # tagged with its epoch: a next one drops it
+            return True
+        if owner.kind not in (HEAD, SLAB):
+            return False  # named a chunk no allocation held: nothing of its to free
+        self.free(offset, timeout)
         return True
 
     def free(self, offset: int, timeout: float | None = None) -> None:
@@ -670,6 +690,41 @@ class Allocator:
                 self.heap.forget_slab(chunk)
                 lost.append(chunk)
         return lost
+
+    def reclaim_dead_blocks(self, timeout: float | None = None) -> int:
+        """Free the blocks of this node's slabs whose process is gone and
+        that nothing referenced at two looks a lease apart, then trim;
+        returns how many blocks were freed.  A block that a live process
+        unlinked to free after a lock's release (an evictor's deferred
+        free) is freed by it right after, far within a lease (a stall past
+        its lease is what R6's self-fencing stops), and a free here takes
+        only a block its dead process still holds.  Looks at most every
+        quarter lease: this is the allocation slow path."""
+        if self.heap is None:
+            return 0
+        now, lease = self.pool.clock.now(), self.pool.header.lease_timeout
+        if now - self._dead_looked < lease / 4:
+            return 0
+        self._dead_looked = now
+        blocks = self.heap.foreign_blocks()
+        alive = {pid: pid_alive(pid) for pid in {pid for _, pid in blocks}}
+        dead = [block for block in blocks if not alive[block[1]]]
+        if dead:
+            ranges = self._references_whole()
+            if ranges is None:
+                return 0
+            referenced = {offset for offset, _ in ranges}
+            dead = [block for block in dead if block[0] not in referenced]
+        seen = self._dead_seen
+        self._dead_seen = {block: seen.get(block, now) for block in dead}
+        ripe = [block for block, first in self._dead_seen.items() if now - first >= lease]
+        if not ripe:
+            return 0
+        for block in ripe:
+            del self._dead_seen[block]
+        freed = self.heap.release_blocks(ripe)
+        self.trim(timeout)
+        return freed
 
     def trim(self, timeout: float | None = None) -> int:
         """Give this node's empty slabs back to the pool; returns how many."""

@@ -49,6 +49,7 @@ import heapq
 import os
 import re
 import struct
+import typing
 from collections.abc import Sequence
 
 import numpy as np
@@ -61,7 +62,7 @@ from tract.stats import COUNTERS
 from tract.testing import faults
 from tract.transfer import KVLayout, TransferEngine
 
-__all__ = ["NO_OFFER", "RELEASE_EVERY", "Connector", "Offer", "Taken"]
+__all__ = ["NO_OFFER", "RELEASE_EVERY", "Connector", "Offer", "Stored", "Taken"]
 
 RELEASE_EVERY = 0.01  # seconds between the cache calls' checks of this process's offers
 LINE = 64
@@ -86,6 +87,16 @@ class Offer:
     deadline: float
     record: int  # pool offset of the handoff record
     nonce: int
+
+
+class Stored(typing.NamedTuple):
+    """What `Connector.store_each` did: ``published`` blocks copied and
+    published now; ``kept[i]``: block ``i`` is in the pool after the call
+    (published now, present already, or being written by another writer),
+    false for a block not stored (counted in ``stats["not_stored"]``)."""
+
+    published: int
+    kept: np.ndarray
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,7 +136,7 @@ class Connector:
         self._retired: list[tuple[float, int]] = []  # (free at, record offset) heap
         self._released = float("-inf")
         #: this process's counts (the pool keeps its node's: `Pool.counters`)
-        self.stats = dict.fromkeys([*COUNTERS, "expired", "not_stored", "not_offered"], 0)
+        self.stats = dict.fromkeys([*COUNTERS, "expired"], 0)
 
     def _count(self, **deltas: int) -> None:
         for name, delta in deltas.items():
@@ -220,7 +231,14 @@ class Connector:
         A lock lost to a manager's take-over (or not had in ``timeout``)
         stores nothing and counts the blocks the same way.  Raises only for
         misuse: fewer keys than blocks, or blocks that do not fit the
-        layout (`ValueError`)."""
+        layout (`ValueError`).  `store_each` says which blocks the pool
+        holds."""
+        return self.store_each(tokens_or_hashes, blocks).published
+
+    def store_each(self, tokens_or_hashes, blocks: Sequence) -> Stored:
+        """`store`, reporting block by block: `Stored.kept` is true for
+        each block the pool holds or another writer is writing (published
+        now or present already), false for each one not stored."""
         self._release_now_and_then()
         keys = self.keys(tokens_or_hashes)
         if keys.shape[0] < len(blocks):
@@ -228,9 +246,17 @@ class Connector:
                              f"(tokens name whole blocks of {self.layout.block_size}); pass a "
                              f"key for every block")
         keys = keys[:len(blocks)]
-        if not keys.shape[0]:
-            return 0
-        self.transfer.check(blocks)
+        kept = np.zeros(keys.shape[0], dtype=np.bool_)
+        published = 0
+        if keys.shape[0]:
+            self.transfer.check(blocks)
+            published = self._store(keys, blocks, kept)
+        self._count(not_stored=int(kept.size - kept.sum()))
+        return Stored(published, kept)
+
+    def _store(self, keys: np.ndarray, blocks: Sequence, kept: np.ndarray) -> int:
+        """`store_each`'s work: sets ``kept`` of the blocks the pool holds
+        after it; returns how many it published."""
         reserved, fitted = None, keys.shape[0]
         while reserved is None:
             try:
@@ -240,13 +266,10 @@ class Connector:
             except PoolFull:  # no room for them all: the leading half, and so on
                 fitted //= 2
                 if not fitted:
-                    break
+                    return 0
             except (LeaseLost, LockTimeout):  # a lock lost or not had: nothing was written
-                fitted = 0
-                break
-        self.stats["not_stored"] += keys.shape[0] - fitted
-        if reserved is None:
-            return 0
+                return 0
+        kept[:fitted] = ~reserved.taken  # present, or being written by another writer
         taken = np.flatnonzero(reserved.taken)
         if not taken.size:
             return 0
@@ -259,14 +282,16 @@ class Connector:
         checksums = np.zeros(len(reserved), dtype=np.uint64)
         checksums[taken] = sums
         try:
-            published = int(sum(self.index.publish(reserved, checksums, timeout=self.timeout)))
+            done = np.asarray(self.index.publish(reserved, checksums, timeout=self.timeout),
+                              dtype=np.bool_)
         except (LeaseLost, LockTimeout):  # not published: withdrawn when the lock allows
             try:
                 self.index.abort(reserved, timeout=self.timeout)
             except (LeaseLost, LockTimeout):
                 pass  # WRITING entries of this node: reusable once its lease lapses
-            self.stats["not_stored"] += int(taken.size)
             return 0
+        kept[taken] = done[taken]
+        published = int(done.sum())
         self._count(stored_blocks=published, written_bytes=published * self.layout.block_bytes)
         return published
 
@@ -308,7 +333,7 @@ class Connector:
                 raise
         except (PoolFull, LeaseLost, LockTimeout):  # no record: the decode side recomputes
             self.index.unpin(hits)
-            self.stats["not_offered"] += 1
+            self._count(not_offered=1)
             return NO_OFFER
         except BaseException:
             self.index.unpin(hits)

@@ -16,8 +16,8 @@ What is checked (every read fresh, R4; nothing trusted, R5):
 What needs a repair is a *problem* (``ok`` is False while one is left).
 Memory whose owner is gone and that nothing references is *reclaimable*,
 not a problem: the allocator takes it back by itself when it needs room
-(dead owners' chunks, `Allocator.reclaimable`).  Blocks of a live node's
-slab whose process is gone are still a problem (``--repair`` frees them).
+(dead owners' chunks, `Allocator.reclaimable`; blocks of a live node's slab
+whose process is gone, `Allocator.reclaim_dead_blocks`).
 
 Owners are judged dead as the allocator judges them (`Allocator.dead_owner`):
 a node epoch that is not current, a node that left or whose heartbeat stood
@@ -339,12 +339,12 @@ class _Check:
                              f"{chunk} the pool gives to {KINDS[owner.kind]} of node "
                              f"{owner.node}", lambda c=chunk: self._forget(heap, c))
                 continue
-            dead = [offset for offset, pid in used
+            dead = [(offset, pid) for offset, pid in used
                     if offset not in referenced and not pid_alive(pid)]
             if dead:
-                self.problem("node heap", where, f"{len(dead)} block(s) of {size} bytes in "
+                self.reclaim("node heap", where, f"{len(dead)} block(s) of {size} bytes in "
                              f"node {node}'s slab at chunk {chunk} belong to processes that "
-                             f"are gone and are referenced by nothing (leaked)",
+                             f"are gone and are referenced by nothing",
                              lambda d=dead: self._release_blocks(heap, d))
 
     @staticmethod
@@ -353,6 +353,5 @@ class _Check:
         return f"slab at chunk {chunk} forgotten"
 
     @staticmethod
-    def _release_blocks(heap: NodeHeap, offsets: list[int]) -> str:
-        heap.release_blocks(offsets)
-        return f"freed {len(offsets)} blocks"
+    def _release_blocks(heap: NodeHeap, blocks: list[tuple[int, int]]) -> str:
+        return f"freed {heap.release_blocks(blocks)} blocks"

@@ -739,10 +739,11 @@ class Index:
                 marked[:, 2] += np.uint64(1)
                 evicted = pins == 0
                 freed = marked[evicted, 4].astype(np.int64).tolist()
-                # an extent's owner, read while its entry still names it: if its owner
-                # dies, the allocator may reclaim it once the entry is a tombstone,
-                # before the free below, and give it to another allocation
-                owners = [self.pool.allocator.extent_owner(offset) for offset in freed]
+                # each payload's owner record, read while its entry still names it: if
+                # the owner (an extent's process, a slab's node) dies, the allocator may
+                # reclaim it once the entry is a tombstone, before the free below, and
+                # give it to another allocation
+                owners = [self.pool.allocator.payload_owner(offset) for offset in freed]
                 evicted_slots = slots[chosen[evicted]].tolist()
                 gone, kept = marked[evicted], marked[~evicted]
                 self._tombstone(gone)
@@ -755,10 +756,7 @@ class Index:
             for first in range(0, slots.size, run):
                 self._lower_reaches(slots[first:first + run], entries[first:first + run], lock)
         for offset, owner in zip(freed, owners):  # the tombstones are in memory (released)
-            if owner is None:
-                self.pool.free(offset)
-            else:
-                self.pool.allocator.free_extent_of(offset, owner)
+            self.pool.allocator.free_of(offset, owner)
         if freed:
             self.pool.stats.add(evictions=len(freed))
         return evicted_slots

@@ -42,6 +42,8 @@ COUNTERS = {
     "offers": "P/D handoffs offered",
     "takes": "P/D handoffs taken",
     "handoff_misses": "takes that found no live offer",
+    "not_stored": "blocks a store had no room for (a full pool; the engine recomputes them)",
+    "not_offered": "P/D handoffs a full pool had no room for (the decode side recomputes)",
 }
 STATS_BYTES = 2 * LINE
 assert len(COUNTERS) * 8 <= STATS_BYTES

@@ -13,6 +13,8 @@ weights, float32, eager.
    P's blocks from A.
 4. A producer killed by SIGKILL mid-store: the consumer finishes in bounded
    time, token-exact, recomputing what is missing; fsck repairs to clean.
+5. A producer whose pool is smaller than one of its prompts serves on,
+   token-exact, and counts every block it could not store.
 
 Also measured (printed, and written to ``$TRACT_VLLM_REPORT`` when set): the
 consumer's time to first token through tract, with no connector (prefix
@@ -240,6 +242,33 @@ def test_a_producer_killed_mid_store_costs_the_consumer_only_recomputation(
     assert repaired["ok"], repaired["problems"][:3]
     assert fsck(pool_path)["ok"]
     REPORT["recovered_s"] = took
+
+
+def test_a_producer_whose_pool_is_too_small_serves_on_and_counts_what_it_did_not_store(
+        workdir, model, prompts, reference):
+    from tract.fsck import fsck
+
+    path = f"/dev/shm/tract-vllm-{os.getpid()}-small"
+    if os.path.exists(path):
+        Pool.destroy(path)
+    # six chunks of 64 KiB: six of the tiny Llama's 64 KiB blocks, one fewer than the
+    # third prompt has, and a third of what the four prompts have
+    Pool.create(path, 512 << 10, chunk_size=1 << 16, max_nodes=8, lock_mode="bakery",
+                lease_timeout=LEASE, index_capacity=64)
+    try:
+        with Pool.observe(path) as pool:
+            assert pool.header.nchunks == 6
+        producer = _engine(workdir, "producer-small", model, _decode(prompts),
+                           kv=_tract(path, 1, "kv_producer"))
+        assert [o["tokens"] for o in producer["batches"][0]["outputs"]] == reference["tokens"]
+        counters = _counters(path)[1]
+        blocks = sum(len(prompt) // BLOCK for prompt in prompts)
+        assert counters["not_stored"] > 0, counters
+        assert counters["stored_blocks"] + counters["not_stored"] == blocks, counters
+        report = fsck(path)
+        assert report["ok"] and report["problems"] == [], report["problems"]
+    finally:
+        Pool.destroy(path)
 
 
 def test_consumer_ttft_through_tract_against_no_connector_and_example_connector(workdir):

@@ -18,7 +18,7 @@ Layout of the heap region (from ``offset``):
           free block (chunk + 1), then the block owners: the pid of the
           process each block was given to (0: free)
 
-The owners make blocks of a dead process findable (`reclaim_dead`), and are
+The owners make blocks of a dead process findable (`foreign_blocks`), and are
 the truth: after a holder died inside the mutex (EOWNERDEAD), `repair`
 rebuilds counts and lists from them.  The pool side of a slab (its owner
 record, the global bitmap) is `tract.alloc`'s.
@@ -46,6 +46,7 @@ cdef enum:
 
 HEAP_MAGIC = 0x5041_4548_5443_4152  # "RACTHEAP"
 NOT_MINE = -1  # `free`: the offset is not a block of this node's slabs
+NOT_HELD = -2  # `free` with a holder: that process no longer holds the block
 
 
 cdef class NodeHeap:
@@ -270,11 +271,13 @@ cdef class NodeHeap:
         finally:
             self._unlock()
 
-    def free(self, int64_t offset):
+    def free(self, int64_t offset, uint32_t holder=0):
         """Free the block at pool ``offset``: its slab's remaining used
         blocks (0: the slab is empty), or NOT_MINE when no slab of this node
         holds it.  Raises ValueError for an offset inside a block, or a
-        block already free."""
+        block already free.  With ``holder`` (a pid): only while that
+        process holds the block, else NOT_HELD (freed or given out again
+        meanwhile)."""
         cdef char *base = self._base()
         cdef int64_t relative = offset - self.heap_base
         if relative < 0 or relative >= <int64_t>self.nchunks * self.chunk_size:
@@ -293,6 +296,8 @@ cdef class NodeHeap:
                 raise ValueError(f"offset {offset} is inside a {self.min_block << cls}-byte "
                                  f"block of chunk {chunk}, not at its start")
             block = <uint32_t>(within // (self.min_block << cls))
+            if holder and record[4 + block] != holder:
+                return NOT_HELD
             if record[4 + block] == 0:
                 raise ValueError(f"block at offset {offset} is already free (double free)")
             record[4 + block] = 0
@@ -358,14 +363,36 @@ cdef class NodeHeap:
             self._unlock()
         return result
 
-    def release_blocks(self, offsets):
-        """Free the given blocks (of processes that died); returns the
-        chunks of slabs left empty."""
-        empty = []
-        for offset in offsets:
-            if self.free(offset) == 0:
-                empty.append(<uint32_t>((offset - self.heap_base) // self.chunk_size))
-        return empty
+    def foreign_blocks(self):
+        """(offset, pid) of every used block that another process holds."""
+        cdef char *base = self._base()
+        cdef uint32_t chunk, block, cls, pid
+        cdef uint32_t *record
+        found = []
+        self._lock(base)
+        try:
+            for chunk in range(self.nchunks):
+                record = self._record(base, chunk)
+                if record[0] == 0 or record[1] == self._blocks(record[0] - 1):
+                    continue
+                cls = record[0] - 1
+                for block in range(self._blocks(cls)):
+                    pid = record[4 + block]
+                    if pid and pid != <uint32_t>self.pid:
+                        found.append((self.heap_base + <int64_t>chunk * self.chunk_size
+                                      + <int64_t>block * (self.min_block << cls), pid))
+        finally:
+            self._unlock()
+        return found
+
+    def release_blocks(self, blocks):
+        """Free the given (offset, pid) blocks of processes that died, each
+        only while that pid still holds it; returns how many were freed."""
+        freed = 0
+        for offset, pid in blocks:
+            if self.free(offset, pid) >= 0:
+                freed += 1
+        return freed
 
 
 def heap_bytes(uint32_t nchunks, int64_t chunk_size, int64_t min_block):

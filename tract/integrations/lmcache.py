@@ -140,11 +140,11 @@ class TractStoragePlugin(StoragePluginInterface):
             self.skipped += len(objs) - len(fits)
         if fits:
             _, tract_keys = self._keys([keys[i] for i in fits])
-            with self._lock:
-                self.connector.store(tract_keys, [objs[i].tensor for i in fits])
-        if on_complete_callback is not None:
-            for i in fits:
-                on_complete_callback(keys[i])
+            with self._lock:  # a chunk a full pool could not take is not stored, nor reported
+                kept = self.connector.store_each(tract_keys, [objs[i].tensor for i in fits]).kept
+            if on_complete_callback is not None:
+                for i in np.asarray(fits)[kept].tolist():
+                    on_complete_callback(keys[i])
         return None
 
     def exists_in_put_tasks(self, key) -> bool:

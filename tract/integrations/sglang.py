@@ -220,10 +220,10 @@ class TractHiCacheStorage(HiCacheStorage):
                 connector, tract_keys = self._ready(), self._keys(keys)
                 if load:
                     done = connector.load(tract_keys, blocks())
-                else:  # the trailing pages a full pool could not take are not backed up
-                    before = connector.stats["not_stored"]
-                    connector.store(tract_keys, blocks())
-                    done = len(keys) - (connector.stats["not_stored"] - before)
+                    ok = [row < done for row in range(len(keys))]
+                else:  # the pages a full pool could not take are not backed up
+                    ok = connector.store_each(tract_keys, blocks()).kept.tolist()
+                    done = sum(ok)
         except Exception:
             log.exception("tract: %s of %d pages failed", "load" if load else "store", len(keys))
             return [False] * len(keys)
@@ -232,7 +232,7 @@ class TractHiCacheStorage(HiCacheStorage):
             kind = "prefetch" if load else "backup"
             self._calls[f"{kind}_pgs"].append(done)
             self._calls[f"{kind}_bandwidth"].append(done * self.layout.block_bytes / seconds / 1e9)
-        return [row < done for row in range(len(keys))]
+        return ok
 
     # --------------------------------------------------------- flat pages
 

@@ -45,15 +45,17 @@ module only translates):
   applies (``recompute``: the engine recomputes from that block; ``fail``,
   vLLM's default: the request ends with an error).  Blocks a dead
   producer had reserved but not published are never counted: the pool
-  reports them as misses.
+  reports them as misses.  A full pool never fails a step: the blocks it
+  has no room for are not stored (logged once at WARNING, then at DEBUG,
+  and counted: ``not_stored``), and the engine serves on.
 - **Lifecycle**: no pin outlives a call (loads pin, copy and unpin), so an
   aborted, preempted or finished request holds nothing; `request_finished`
   forgets its state and reports what tract did for it in
   ``kv_transfer_params`` (``tract_external_tokens``,
   ``tract_stored_blocks``); `shutdown` closes the connector and the pool.
 - **Metrics**: `get_kv_connector_stats` reports the connector's counts per
-  step (`TractConnectorStats`: hits, misses, stored blocks, bytes,
-  checksum failures); the pool keeps every node's counters too
+  step (`TractConnectorStats`: hits, misses, stored and not stored
+  blocks, bytes, checksum failures); the pool keeps every node's counters too
   (`tract stat`).
 """
 
@@ -86,8 +88,8 @@ __all__ = ["TractConnector", "TractConnectorMetadata", "TractConnectorStats", "k
 log = logging.getLogger(__name__)
 
 #: the connector counts reported per step (`Connector.stats` keys)
-STAT_NAMES = ("lookups", "hit_blocks", "miss_blocks", "stored_blocks", "read_bytes",
-              "written_bytes", "checksum_failures")
+STAT_NAMES = ("lookups", "hit_blocks", "miss_blocks", "stored_blocks", "not_stored",
+              "read_bytes", "written_bytes", "checksum_failures")
 
 
 # ------------------------------------------------------------------ layout
@@ -198,6 +200,7 @@ class TractConnector(KVConnectorBase_V1):
         self._layers: list[torch.Tensor] = []
         self._split = False  # layers laid out (K/V, block, ...), not (block, ...)
         self._load_errors: set[int] = set()
+        self._full_warned = False  # a full pool is said once at WARNING, then at DEBUG
         self._reported = dict.fromkeys(STAT_NAMES, 0)
 
     # ------------------------------------------------------------- keys
@@ -314,7 +317,13 @@ class TractConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
         for job in getattr(meta, "stores", ()):
-            self.connector.store(job.keys, self._segments(job.block_ids))
+            kept = self.connector.store_each(job.keys, self._segments(job.block_ids)).kept
+            if not kept.all():  # a full pool: the engine serves on, the pool lacks them
+                log.log(logging.WARNING if not self._full_warned else logging.DEBUG,
+                        "tract: request %s: %d of %d blocks not stored (the pool is full, "
+                        "or a lock was lost); counted in the connector's not_stored",
+                        job.request_id, int(kept.size - kept.sum()), kept.size)
+                self._full_warned = True
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
