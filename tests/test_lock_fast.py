@@ -13,7 +13,7 @@ import pytest
 
 from tract._native import _lockfast
 from tract.errors import CorruptionError
-from tract.lock import COHORT_PASSES, GRANTED, NONE, REVOKING, _grant_check
+from tract.lock import COHORT_PASSES, GRANTED, NONE, REVOKING, grant_check
 from tract.pool import Pool
 
 NODE = 1
@@ -38,7 +38,7 @@ def _states():
             itertools.product(managers, holders, states, [5, 6], [False, True], [False, True],
                               [(0, 0, 0), (4, 3, 4)]):
         fields = [holder, state, 2, grant_epoch, manager_epoch - stale]
-        check = _grant_check(fields) ^ torn
+        check = grant_check(fields) ^ torn
         yield (manager, manager_epoch), fields + [check], request
 
 
@@ -60,7 +60,7 @@ def _lock_area(pool):
 
 def test_grant_check_twin():
     for fields in ([0] * 5, [1, 2, 3, 4, 5], [2**64 - 1] * 5, [NODE + 1, GRANTED, 9, 2**63, 1]):
-        assert _lockfast.grant_check(fields) == _grant_check(fields)
+        assert _lockfast.grant_check(fields) == grant_check(fields)
 
 
 def test_announce_and_first_attempt_match_the_reference(pool):
@@ -154,7 +154,7 @@ def test_hand_offs_stop_at_the_bound(pool):
     # pretend this node holds a grant and one local process waits forever
     index = pool._names["alloc"]
     _write(pool, index, ((NODE + 1, 7), [NODE + 1, GRANTED, 1, 5, 7,
-                                           _grant_check([NODE + 1, GRANTED, 1, 5, 7])],
+                                           grant_check([NODE + 1, GRANTED, 1, 5, 7])],
                          (1, 0, 0)))
     waiters = pool._local.region
     slot = index * _lockfast.SLOT_BYTES + 72
@@ -173,7 +173,7 @@ def test_hand_offs_stop_at_the_bound(pool):
 def test_a_revoked_grant_is_given_back_not_handed_over(pool):
     lock, index = pool.lock("alloc"), pool._names["alloc"]
     fields = [NODE + 1, REVOKING, 1, 5, 7]
-    _write(pool, index, ((NODE + 1, 7), fields + [_grant_check(fields)], (1, 0, 0)))
+    _write(pool, index, ((NODE + 1, 7), fields + [grant_check(fields)], (1, 0, 0)))
     slot = index * _lockfast.SLOT_BYTES + 72
     pool._local.region.store_u64(slot, 1)  # a local waiter
     assert lock.fast.acquire() == _lockfast.ANNOUNCED  # REVOKING: not taken
@@ -186,7 +186,7 @@ def test_a_revoked_grant_is_given_back_not_handed_over(pool):
 def test_sweep_gives_back_a_hand_off_nobody_took(pool):
     lock, index = pool.lock("alloc"), pool._names["alloc"]
     fields = [NODE + 1, GRANTED, 1, 5, 7]
-    _write(pool, index, ((NODE + 1, 7), fields + [_grant_check(fields)], (1, 0, 0)))
+    _write(pool, index, ((NODE + 1, 7), fields + [grant_check(fields)], (1, 0, 0)))
     slot = index * _lockfast.SLOT_BYTES + 72
     pool._local.region.store_u64(slot, 1)  # a waiter that then gave up
     assert lock.fast.acquire() == _lockfast.ACQUIRED

@@ -26,7 +26,13 @@ to the Python steps here):
   that left or whose lease lapsed (R6), or, for extents of a live node on
   this host, a process that is gone — and that nothing references (the
   object directory; the index later) are freed.  A slab chunk is reclaimed
-  only with its node.
+  only with its node; the blocks in a live node's slabs of a process that
+  is gone, by that node's own processes, once nothing referenced them at
+  two looks a lease apart (`Allocator.reclaim_dead_blocks`);
+- a free of memory whose reference was dropped just before (eviction)
+  names the owner record read while the reference stood
+  (`Allocator.payload_owner`, `Allocator.free_of`): memory reclaimed in
+  between is not freed again, nor another allocation made in it since.
 
 A block of another node's slab is freed through a *remote-free ring* from the
 freeing node to the slab's node (one writer per line: the sender writes the

@@ -49,7 +49,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from tract.bench.peers import SEGMENT_MAX, Unavailable, _free_port, _server
+from tract.bench.peers import SEGMENT_MAX, Unavailable, free_port, start_server
 from tract.errors import ConfigError
 from tract.transfer import KVLayout
 
@@ -253,9 +253,9 @@ def _recv_header(sock) -> dict:
 
 
 def _mooncake(ports):
-    from tract.bench.peers import _mooncake_store
+    from tract.bench.peers import mooncake_store
 
-    return _mooncake_store(ports[0], ports[1], SEGMENT_MAX)
+    return mooncake_store(ports[0], ports[1], SEGMENT_MAX)
 
 
 def _kv_keys(rid: str, layers: int) -> list[str]:
@@ -406,7 +406,7 @@ def decode_worker(path: str, node: int, config: DemoConfig, inbox, handoffs, res
 
 # ------------------------------------------------------------ orchestrator
 
-def _manage(path: str, stop) -> None:
+def manage_locks(path: str, stop) -> None:
     """The pool's lock manager (node 0), as `tract manager` runs it."""
     from tract.pool import Pool
 
@@ -421,12 +421,12 @@ def _mooncake_ports(stack) -> tuple[tuple[int, int] | None, str | None]:
         import mooncake.store  # noqa: F401
     except ImportError as error:
         return None, f"mooncake-transfer-engine-non-cuda is not installed ({error})"
-    master, metadata = _free_port(), _free_port()
+    master, metadata = free_port(), free_port()
     command = ["mooncake_master", "--rpc_address=127.0.0.1", f"--rpc_port={master}",
                "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
                f"--http_metadata_server_port={metadata}"]
     try:
-        stack.enter_context(_server(command, [master, metadata], "mooncake_master"))
+        stack.enter_context(start_server(command, [master, metadata], "mooncake_master"))
     except Unavailable as why:
         return None, str(why)
     return (master, metadata), None
@@ -486,7 +486,7 @@ def run(config: DemoConfig, progress: bool = True) -> dict:
         Pool.create(path, _pool_bytes(config), max_nodes=nodes, lease_timeout=5.0)
         stack.callback(Pool.destroy, path)
         stop = context.Event()
-        manager = context.Process(target=_manage, name="lock-manager", args=(path, stop),
+        manager = context.Process(target=manage_locks, name="lock-manager", args=(path, stop),
                                   daemon=True)
         manager.start()
         stack.callback(manager.join, 30)

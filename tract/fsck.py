@@ -40,8 +40,8 @@ from tract._native._localmutex import LocalMutex
 from tract._native._nodeheap import NodeHeap
 from tract.alloc import FREE, HEAD, KINDS, OWNER_BYTES, SLAB, TAIL, pid_alive
 from tract.errors import CorruptionError
-from tract.lock import _GRANT_STATES, _grant_check
-from tract.pool import MEMBERS, SLAB_MIN_BLOCK, Pool, _NodeLocal
+from tract.lock import GRANT_STATES, grant_check
+from tract.pool import MEMBERS, SLAB_MIN_BLOCK, Pool, NodeLocal
 from tract.region import open_region
 
 __all__ = ["fsck"]
@@ -140,10 +140,10 @@ class _Check:
                 *fields, check = region.load_u64s(grant, 6)
                 if not any(fields) and not check:
                     continue
-                if check != _grant_check(fields):
+                if check != grant_check(fields):
                     self.problem("lock area", grant, f"grant line of lock {lock} by manager "
                                  f"{owner} is torn (check word)")
-                elif fields[1] not in _GRANT_STATES or fields[0] > self.header.max_nodes:
+                elif fields[1] not in GRANT_STATES or fields[0] > self.header.max_nodes:
                     self.problem("lock area", grant, f"grant line of lock {lock} by manager "
                                  f"{owner} has holder {fields[0] - 1}, state {fields[1]}")
 
@@ -303,9 +303,9 @@ class _Check:
         header, pool = self.header, self.pool
         referenced = {record.offset for record in pool.objects.list()} | \
             {offset for offset, _ in pool.index.referenced()}
-        members, heap_offset, size = _NodeLocal.shape(header)
+        members, heap_offset, size = NodeLocal.shape(header)
         for node in sorted(pool.nodes_on_this_host()):
-            path = _NodeLocal.path_of(header, node)
+            path = NodeLocal.path_of(header, node)
             try:
                 local = open_region(path, coherence="hardware", size=size)
             except (OSError, ValueError) as error:

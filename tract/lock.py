@@ -77,7 +77,7 @@ MASK64 = 0xFFFF_FFFF_FFFF_FFFF
 
 # grant states
 NONE, GRANTED, REVOKING = 0, 1, 2
-_GRANT_STATES = (NONE, GRANTED, REVOKING)
+GRANT_STATES = (NONE, GRANTED, REVOKING)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -275,14 +275,14 @@ class Grant(typing.NamedTuple):
     manager_epoch: int
 
 
-def _read_manager(space: LockSpace) -> tuple[int | None, int]:
+def read_manager(space: LockSpace) -> tuple[int | None, int]:
     """(manager node, manager epoch) as this host sees the manager line now."""
     line = space.layout.manager_line
     holder_field, epoch = space.region.load_u64s(line, 2)
     return space.holder_field(holder_field, "manager line", line), epoch
 
 
-def _grant_check(fields) -> int:
+def grant_check(fields) -> int:
     """Check word over a grant line's fields.  A line is written field by
     field, and the cache may write it back between two stores (eviction), so
     a reader can meet a mix of old and new fields; the check word, stored
@@ -297,10 +297,10 @@ def _read_grant(space: LockSpace, line: int) -> Grant | None:
     """The grant line at ``line``, or None while it is torn (its writer is
     mid-update)."""
     *fields, check = space.region.load_u64s(line, 6)
-    if check != _grant_check(fields):
+    if check != grant_check(fields):
         return None
     holder_field, state, seq, epoch, manager_epoch = fields
-    if state not in _GRANT_STATES:
+    if state not in GRANT_STATES:
         raise CorruptionError(f"grant line at offset {line} has state {state}")
     return Grant(space.holder_field(holder_field, "grant line", line), state, seq, epoch,
                  manager_epoch)
@@ -322,7 +322,7 @@ class ManagedLock:
         the manager is the one seen last time."""
         space = self.space
         space.fresh(*self._fresh_lines)
-        manager, manager_epoch = _read_manager(space)
+        manager, manager_epoch = read_manager(space)
         if manager is None:
             return None, manager_epoch, None
         line = self._grant_lines[manager]
@@ -467,7 +467,7 @@ class LockManager:
         self._election.acquire(timeout=space.lease_timeout)
         try:
             space.fresh(space.layout.manager_line)
-            manager, epoch = _read_manager(space)
+            manager, epoch = read_manager(space)
             if manager is not None and manager != space.node and space.liveness.live(manager):
                 return False
             previous = manager
@@ -497,7 +497,7 @@ class LockManager:
     def _still_manager(self) -> bool:
         space = self.space
         space.fresh(space.layout.manager_line)
-        manager, epoch = _read_manager(space)
+        manager, epoch = read_manager(space)
         return manager == space.node and epoch == self.manager_epoch
 
     # ------------------------------------------------------------- granting
@@ -509,7 +509,7 @@ class LockManager:
                   grant.epoch, self.manager_epoch]
         for index, value in enumerate(fields):
             space.region.store_u64(line + 8 * index, value)
-        space.region.store_u64(line + 40, _grant_check(fields))
+        space.region.store_u64(line + 40, grant_check(fields))
         space.publish(line)
 
     def _requests(self, lock: int) -> list[tuple[int, int, int, int]]:
@@ -594,7 +594,7 @@ class LockManager:
                     self.local.consistent()
                 self._local_held = True
             space.fresh(space.layout.manager_line)
-            manager, _ = _read_manager(space)
+            manager, _ = read_manager(space)
             if manager is None or manager == space.node or not space.liveness.live(manager):
                 if not self._take_over():
                     return False
@@ -680,7 +680,7 @@ class AtomicLock:
                             f"{self.epoch}) was taken over by node {holder} (epoch {epoch})")
 
 
-_TIER2 = {"manager": ManagedLock, "bakery": BakeryLock, "atomic": AtomicLock}
+TIER2 = {"manager": ManagedLock, "bakery": BakeryLock, "atomic": AtomicLock}
 
 
 # ----------------------------------------------------------------- two-tier
@@ -699,7 +699,7 @@ class Lock:
 
     def __init__(self, space: LockSpace, mode: str, lock: int, name: str, local=None,
                  fast=None, waited=None):
-        if mode not in _TIER2:
+        if mode not in TIER2:
             raise ConfigError(f"lock mode must be one of {LOCK_MODES}, got {mode!r}")
         if mode == "atomic" and space.region.cache_control.coherence != "hardware":
             raise ConfigError(f"lock mode 'atomic' needs a pool declared coherence='hardware'; "
@@ -710,7 +710,7 @@ class Lock:
                               f"with a tier-1 mutex (mode {mode!r})")
         self.name = name
         self.mode = mode
-        self.global_lock = _TIER2[mode](space, lock, name)
+        self.global_lock = TIER2[mode](space, lock, name)
         self.local = local
         self.fast = fast
         self.waited = waited  # called with the seconds an acquire waited for the grant

@@ -18,7 +18,7 @@ header that disagrees):
              heap        chunk-aligned; ``nchunks`` chunks of ``chunk_size``
 
 Node-local state (tier-1 mutexes, cohort words, the node's live processes and
-its slab heap) lives in one file per node in /dev/shm (`_NodeLocal`), never in
+its slab heap) lives in one file per node in /dev/shm (`NodeLocal`), never in
 the pool.
 
 Rules relied on (DESIGN.md): R1 — areas are named by offset; R3 — the
@@ -46,7 +46,7 @@ from tract.alloc import OFFSET_BITS, AllocLayout, Allocator, pid_alive
 from tract.errors import ConfigError, CorruptionError, TractError
 from tract.lease import ALIVE, LINE, Clock, NodeTable
 from tract.lock import (COHORT_PASSES, LOCK_MODES, Lock, LockLayout, LockManager, LockSpace,
-                        _read_manager)
+                        read_manager)
 from tract.index import Index
 from tract.objects import RECORD_BYTES, ObjectStore
 from tract.region import create_region, is_dax_path, open_region
@@ -271,7 +271,7 @@ class Pool:
         self.alloc_layout = AllocLayout(header.alloc, header.size // header.chunk_size,
                                         header.max_nodes)
         self.space = self._space()
-        self._local = _NodeLocal(header, node) if local_locks else None
+        self._local = NodeLocal(header, node) if local_locks else None
         try:
             first = self._local.first if self._local is not None else None
             self.epoch = self._join(first) if node is not None else 0
@@ -501,7 +501,7 @@ class Pool:
         while not (lock_manager.active or lock_manager.deferred) and \
                 self.clock.now() < deadline:
             self.space.fresh(self.layout.manager_line)
-            if _read_manager(self.space)[0] != self.node:
+            if read_manager(self.space)[0] != self.node:
                 return
             self.clock.sleep(1e-3)
 
@@ -611,7 +611,7 @@ def _check_owner(path: str, allowed: bool) -> None:
                               f"TRACT_ALLOW_OTHER_OWNER=1) to trust it")
 
 
-class _NodeLocal:
+class NodeLocal:
     """A node's file in /dev/shm: per lock a slot (tier-1 mutex, cohort
     words), the pids of the node's processes that have the pool open, and
     the node's slab heap.  Made and joined under an flock, which the opener
@@ -715,7 +715,7 @@ def pool_info(path: str, watch: float = 0.5) -> dict:
     over ``watch`` seconds), occupancy and lock holders.  Writes nothing."""
     from tract._kernels.bitmap import count_free
     from tract.lease import ABSENT
-    from tract.lock import _TIER2, _read_manager
+    from tract.lock import TIER2, read_manager
 
     pool = Pool.observe(path)
     try:
@@ -733,10 +733,10 @@ def pool_info(path: str, watch: float = 0.5) -> dict:
                                                           f"still for >= {watch} s")))
         free = count_free(pool.allocator._bitmap(), header.nchunks)
         pool.space.fresh(pool.layout.manager_line)
-        manager, manager_epoch = _read_manager(pool.space)
+        manager, manager_epoch = read_manager(pool.space)
         locks = []
         for index, name in header.lock_names:
-            holder, epoch = _TIER2[header.lock_mode_name](pool.space, index, name).holder()
+            holder, epoch = TIER2[header.lock_mode_name](pool.space, index, name).holder()
             locks.append(dict(name=name, holder=holder, epoch=epoch))
         flush = (platform.FLUSH_CHOICES[header.flush]
                  if header.flush < len(platform.FLUSH_CHOICES) else "other")

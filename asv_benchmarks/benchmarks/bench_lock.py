@@ -40,7 +40,7 @@ class UncontendedLock:
             if mode == "manager":
                 context = bench.multiprocessing.get_context("fork")
                 stop = context.Event()
-                manager = context.Process(target=bench._manage, args=(path, stop))
+                manager = context.Process(target=bench.manage_locks, args=(path, stop))
                 manager.start()
                 self.cleanup.insert(0, lambda: (stop.set(), manager.join(30)))
             pool = Pool.open(path, 0)

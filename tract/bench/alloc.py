@@ -16,7 +16,7 @@ import multiprocessing
 import time
 
 from tract.bench import Result
-from tract.bench.lock import MAX_NODES, _manage, _pool_path
+from tract.bench.lock import MAX_NODES, manage_locks, bench_pool
 from tract.pool import Pool
 from tract.region import scratch_region
 
@@ -33,11 +33,11 @@ class Harness:
     """A 256 MiB pool with a manager process and this process as node 0."""
 
     def __init__(self):
-        self.path = _pool_path()
+        self.path = bench_pool()
         Pool.create(self.path, 256 << 20, max_nodes=MAX_NODES, lease_timeout=2.0)
         context = multiprocessing.get_context("fork")
         self.stop = context.Event()
-        self.manager = context.Process(target=_manage, args=(self.path, self.stop))
+        self.manager = context.Process(target=manage_locks, args=(self.path, self.stop))
         self.manager.start()
         self.pool = Pool.open(self.path, 0)
         self.pool.free(self.pool.alloc(4096, timeout=30))  # first grant, first slab

@@ -17,7 +17,7 @@ import time
 import numpy as np
 
 from tract.bench import Result
-from tract.bench.lock import MAX_NODES, _manage, _pool_path
+from tract.bench.lock import MAX_NODES, manage_locks, bench_pool
 from tract.hashing import BlockHasher
 from tract.pool import Pool
 from tract.region import scratch_region
@@ -31,12 +31,12 @@ class Harness:
     """A pool whose index holds ``LOAD * capacity`` entries; this process is node 0."""
 
     def __init__(self, capacity: int = 1 << 14):
-        self.path = _pool_path()
+        self.path = bench_pool()
         Pool.create(self.path, 256 << 20, max_nodes=MAX_NODES, lease_timeout=2.0,
                     index_capacity=capacity)
         context = multiprocessing.get_context("fork")
         self.stop = context.Event()
-        self.manager = context.Process(target=_manage, args=(self.path, self.stop))
+        self.manager = context.Process(target=manage_locks, args=(self.path, self.stop))
         self.manager.start()
         self.pool = Pool.open(self.path, 0)
         self.index = self.pool.index

@@ -33,20 +33,20 @@ MAX_NODES = 6
 MANAGER_NODE = MAX_NODES - 1
 
 
-def _pool_path() -> str:
+def bench_pool() -> str:
     directory = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
     return os.path.join(directory, f"tract-bench-lock-{os.getpid()}-{uuid.uuid4().hex[:8]}")
 
 
 def _create(mode: str) -> str:
-    path = _pool_path()
+    path = bench_pool()
     Pool.create(path, 1 << 20, lock_mode=mode, max_nodes=MAX_NODES, lease_timeout=2.0,
                 chunk_size=1 << 16,
                 coherence="hardware" if mode == "atomic" else "none")
     return path
 
 
-def _manage(path: str, stop) -> None:
+def manage_locks(path: str, stop) -> None:
     with Pool.open(path, MANAGER_NODE) as pool:
         pool.manager().run(stop)
 
@@ -101,7 +101,7 @@ def _with_manager(mode: str, path: str, body):
         return body()
     context = multiprocessing.get_context("fork")
     stop = context.Event()
-    manager = context.Process(target=_manage, args=(path, stop))
+    manager = context.Process(target=manage_locks, args=(path, stop))
     manager.start()
     try:
         return body()
@@ -156,7 +156,7 @@ def run(quick: bool = False) -> list[Result]:
     layouts = [(2, 1), (2, 2), (4, 2)] if quick else [(2, 1), (2, 2), (4, 1), (4, 2), (4, 4)]
     baselines = _baselines(rounds)
     results: list[Result] = []
-    pthread_path = _pool_path()
+    pthread_path = bench_pool()
     shared = create_region(pthread_path, 4096, coherence="hardware")
     LocalMutex(shared, 0).initialize()
     shared.close()

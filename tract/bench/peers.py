@@ -26,7 +26,7 @@ class Unavailable(Exception):
     """A peer that cannot run here; the message says why."""
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
@@ -44,7 +44,7 @@ def _wait_port(port: int, process: subprocess.Popen, what: str, timeout: float =
 
 
 @contextlib.contextmanager
-def _server(command: list[str], ports, what: str):
+def start_server(command: list[str], ports, what: str):
     # on PATH, or beside this interpreter (a venv's console scripts)
     program = shutil.which(command[0]) or shutil.which(
         command[0], path=os.path.dirname(sys.executable))
@@ -110,12 +110,12 @@ def redis_handoff(size: int, count: int, repeats: int) -> float:
         import redis
     except ImportError as error:
         raise Unavailable(f"redis: the redis client is not installed ({error})") from None
-    port = _free_port()
+    port = free_port()
     blocks = [np.random.default_rng(i).integers(0, 256, size, dtype=np.uint8).tobytes()
               for i in range(count)]
     command = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                "--appendonly", "no", "--protected-mode", "yes"]
-    with _server(command, [port], "redis-server"):
+    with start_server(command, [port], "redis-server"):
         client = redis.Redis(host="127.0.0.1", port=port)
 
         def produce(round_):
@@ -137,7 +137,7 @@ def redis_handoff(size: int, count: int, repeats: int) -> float:
 
 SEGMENT_MAX = (2 << 30) - (1 << 20)  # with a larger segment every put fails (-200, no space)
 
-def _mooncake_store(master: int, metadata: int, segment: int):
+def mooncake_store(master: int, metadata: int, segment: int):
     from mooncake.store import MooncakeDistributedStore
 
     store = MooncakeDistributedStore()
@@ -187,26 +187,26 @@ def mooncake_tcp_handoff(size: int, count: int, repeats: int) -> float:
     except ImportError as error:
         raise Unavailable(f"mooncake: mooncake-transfer-engine-non-cuda is not installed "
                           f"({error})") from None
-    master, metadata = _free_port(), _free_port()
+    master, metadata = free_port(), free_port()
     command = ["mooncake_master", "--rpc_address=127.0.0.1", f"--rpc_port={master}",
                "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
                f"--http_metadata_server_port={metadata}"]
     segment = min(max(512 << 20, 4 * size * count), SEGMENT_MAX)
-    with _server(command, [master, metadata], "mooncake_master"):
+    with start_server(command, [master, metadata], "mooncake_master"):
         source = np.random.default_rng(5).integers(0, 256, size * count, dtype=np.uint8)
         address = source.ctypes.data
         state, mine = {}, {}  # each process's client, made after the fork
 
         def produce(round_):
             if "store" not in mine:
-                mine["store"] = _mooncake_store(master, metadata, segment)
+                mine["store"] = mooncake_store(master, metadata, segment)
                 if mine["store"].register_buffer(address, source.nbytes):
                     raise Unavailable("mooncake: register_buffer failed")
             _put(mine["store"], _keys("r", round_, count), address, size)
 
         def consume(round_):
             if "store" not in state:
-                state["store"] = _mooncake_store(master, metadata, segment)
+                state["store"] = mooncake_store(master, metadata, segment)
                 state["out"] = np.empty(size * count, np.uint8)
                 state["store"].register_buffer(state["out"].ctypes.data, size * count)
             _get(state["store"], _keys("r", round_, count), state["out"].ctypes.data, size)
@@ -229,7 +229,7 @@ def mooncake_shm_handoff(size: int, count: int, repeats: int) -> float:
     except ImportError as error:
         raise Unavailable(f"mooncake: mooncake-transfer-engine-non-cuda is not installed "
                           f"({error})") from None
-    master, metadata, client = _free_port(), _free_port(), _free_port()
+    master, metadata, client = free_port(), free_port(), free_port()
     segment = min(max(1 << 30, 4 * size * count), SEGMENT_MAX)
     master_command = ["mooncake_master", "--rpc_address=127.0.0.1", f"--rpc_port={master}",
                       "--enable_http_metadata_server=true",
@@ -239,8 +239,8 @@ def mooncake_shm_handoff(size: int, count: int, repeats: int) -> float:
                       f"--master_server_address=127.0.0.1:{master}",
                       f"--metadata_server=http://127.0.0.1:{metadata}/metadata",
                       f"--global_segment_size={segment}", "--protocol=tcp"]
-    with _server(master_command, [master, metadata], "mooncake_master"), \
-            _server(client_command, [client], "mooncake_client"):
+    with start_server(master_command, [master, metadata], "mooncake_master"), \
+            start_server(client_command, [client], "mooncake_client"):
         def attach():
             from mooncake.store import MooncakeDistributedStore
 

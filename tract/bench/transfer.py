@@ -42,7 +42,7 @@ import time
 import numpy as np
 
 from tract.bench import Result, median_time
-from tract.bench.lock import MAX_NODES, _manage
+from tract.bench.lock import MAX_NODES, manage_locks
 from tract.bench.peers import PEERS, Unavailable
 from tract.connector import Connector
 from tract.pool import Pool
@@ -73,7 +73,7 @@ class _Pool:
                     index_capacity=4096)
         context = multiprocessing.get_context("fork")
         self.stop = context.Event()
-        self.manager = context.Process(target=_manage, args=(self.path, self.stop))
+        self.manager = context.Process(target=manage_locks, args=(self.path, self.stop))
         self.manager.start()
         self.pool = Pool.open(self.path, 0, populate=True)
         # every heap page written once, as in a pool that has been serving a
