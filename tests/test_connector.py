@@ -438,11 +438,12 @@ NARROW = KVLayout(model="narrow", dtype="float16", num_layers=2, num_kv_heads=2,
                   block_size=32)  # 32 KiB: a slab block
 
 
-def _fill(path, node, seed, rounds, results):
+def _fill(path, node, seed, rounds, results, manager=False):
     """Store past the pool's size with one- and two-chunk blocks; check
-    every block that reports stored, loaded back byte-exact; never raise."""
+    every block that reports stored, loaded back byte-exact; never raise.
+    ``manager``: this worker runs a lock manager (active or standby)."""
     try:
-        with Pool.open(path, node) as pool:
+        with Pool.open(path, node, manager=manager) as pool:
             rng = np.random.default_rng(seed)
             connectors = [Connector(pool, layout) for layout in (WIDE, NARROW)]
             stored = not_stored = offered = 0
@@ -480,24 +481,27 @@ def _fill(path, node, seed, rounds, results):
 
 
 @pytest.mark.multiprocess
-def test_a_full_fragmented_pool_never_fails_a_store_and_closes_clean(pool_path):
+@pytest.mark.parametrize("managers", ["in-the-test", "in-the-workers"])
+def test_a_full_fragmented_pool_never_fails_a_store_and_closes_clean(pool_path, managers):
     """Processes on several nodes store one- and two-chunk blocks past the
     pool's size, offer and take, and close: no store raises, every block
     that reports stored loads byte-exact, and fsck of the closed pool has
-    nothing to repair, in each of 20 seeded repetitions."""
+    nothing to repair, in each of 20 seeded repetitions.  The lock manager
+    runs in this process, or in the workers themselves (a worker's close
+    hands it to a standby while the others hold its grants)."""
     context = multiprocessing.get_context("fork")
+    in_workers = managers == "in-the-workers"
     for repetition in range(20):
         # a lease far past any stall of a loaded 2-core machine: a lapsed lease is a
         # stall's matter (its memory may be reclaimed under it), not this test's
         Pool.create(pool_path, 4 << 20, chunk_size=1 << 16, max_nodes=4, lease_timeout=5.0,
                     index_capacity=256)
         try:
-            # the lock manager lives in this process (node 0) for the whole repetition, so
-            # no worker's close hands the manager over while others hold its grants
-            manager = Pool.open(pool_path, 0, manager=True)
+            manager = None if in_workers else Pool.open(pool_path, 0, manager=True)
             results = context.Queue()
             workers = [context.Process(target=_fill, args=(pool_path, node, 1000 * repetition
-                                                           + 10 * node + i, 12, results))
+                                                           + 10 * node + i, 12, results,
+                                                           in_workers))
                        for node in (1, 2) for i in range(2 if node == 1 else 1)]
             for worker in workers:
                 worker.start()
@@ -509,6 +513,7 @@ def test_a_full_fragmented_pool_never_fails_a_store_and_closes_clean(pool_path):
             assert sum(report[2] for report in reports) > 0
             report = fsck(pool_path, watch=False)
             assert report["ok"] and report["problems"] == [], (repetition, report["problems"])
-            manager.close()
+            if manager is not None:
+                manager.close()
         finally:
             Pool.destroy(pool_path)
