@@ -10,7 +10,7 @@ import pytest
 
 import tract
 from tract import platform
-from tract._native._region import map_fd
+from tract._native._region import digest, map_fd
 from tract.errors import BoundsError, ConfigError
 from tract.region import create_region, open_region
 
@@ -249,6 +249,39 @@ def test_nontemporal_and_plain_copies_give_identical_bytes(copy_regions, size, o
             assert (around[:offset] == 0x5A).all(), (kind, nontemporal, "before")
             assert (around[offset + size:] == 0x5A).all(), (kind, nontemporal, "after")
             del around
+
+
+@pytest.mark.parametrize("checksums", [False, True], ids=["plain", "digests"])
+@pytest.mark.parametrize("piece", [0, 256, 4160])
+def test_block_copies_move_exactly_their_bytes(copy_regions, checksums, piece):
+    """`copy_in_blocks` and `copy_out_blocks`, with and without digests, for
+    every copy kind, several buffers of whole pieces, at aligned and
+    unaligned offsets: the bytes land where a reference copy puts them,
+    nothing around them changes, and the copy out delivers them (a copy
+    replaced by a fill, or a partial line lost, fails here)."""
+    rng = numpy.random.default_rng(piece * 2 + checksums)
+    unit = piece or 1000
+    offsets = numpy.array([64, 70_007, 300_063], dtype=numpy.int64)
+    for kind, region in copy_regions.items():
+        sources = [rng.integers(0, 256, unit * n, dtype=numpy.uint8) for n in (1, 3, 2)]
+        region.fill(0, region.size, 0x5A)
+        expected = numpy.full(region.size, 0x5A, dtype=numpy.uint8)
+        for at, source in zip(offsets, sources):
+            expected[at:at + source.size] = source
+        count = sum(source.size // unit for source in sources) if piece else len(sources)
+        sums_in = numpy.zeros(count, numpy.uint64) if checksums else None
+        region.copy_in_blocks(offsets, sources, sums_in, 9, piece)
+        whole = region.view(0, region.size)
+        assert numpy.array_equal(whole, expected), kind
+        del whole
+        targets = [numpy.zeros_like(source) for source in sources]
+        sums_out = numpy.zeros(count, numpy.uint64) if checksums else None
+        region.copy_out_blocks(offsets, targets, sums_out, 9, piece)
+        for target, source in zip(targets, sources):
+            assert numpy.array_equal(target, source), kind
+        if checksums:
+            assert numpy.array_equal(sums_in, sums_out), kind
+            assert int(sums_in[0]) == digest(sources[0][:unit], 9), kind
 
 
 def test_copy_accepts_any_contiguous_buffer_and_refuses_others(region):
