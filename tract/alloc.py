@@ -62,7 +62,7 @@ from tract._native._nodeheap import NOT_MINE
 from tract._native._region import Region
 from tract.errors import CorruptionError, LockTimeout, PoolFull
 from tract.lease import ALIVE, LINE
-from tract.testing import faults
+from tract import _failpoints as faults
 
 __all__ = ["AllocLayout", "Allocator", "FreeRing", "KINDS"]
 

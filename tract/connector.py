@@ -59,7 +59,7 @@ from tract.errors import LeaseLost, LockTimeout, PoolFull
 from tract.hashing import BlockHasher
 from tract.index import Hits
 from tract.stats import COUNTERS
-from tract.testing import faults
+from tract import _failpoints as faults
 from tract.transfer import KVLayout, TransferEngine
 
 __all__ = ["NO_OFFER", "RELEASE_EVERY", "Connector", "Offer", "Stored", "Taken"]

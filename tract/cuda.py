@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from tract._native._region import digest
-from tract.transfer import CudaError
+from tract.errors import CudaError
 
 __all__ = ["REGISTER_CHUNK", "CudaTransfer"]
 

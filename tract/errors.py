@@ -5,8 +5,8 @@ also derive from the matching builtin (``IndexError``, ``ValueError``,
 ``OSError``) so callers can catch them either way.
 """
 
-__all__ = ["TractError", "BoundsError", "ConfigError", "CorruptionError", "DaxError", "LeaseLost",
-           "LockTimeout", "PoolFull"]
+__all__ = ["TractError", "BoundsError", "ConfigError", "CorruptionError", "CudaError", "DaxError",
+           "LeaseLost", "LockTimeout", "PoolFull"]
 
 
 class TractError(Exception):
@@ -26,6 +26,10 @@ class CorruptionError(TractError):
 
     The message names the structure and the offset it was read from.
     """
+
+
+class CudaError(TractError):
+    """A CUDA runtime call failed; the message names the call and the error."""
 
 
 class DaxError(TractError, OSError):

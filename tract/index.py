@@ -61,7 +61,7 @@ from tract._kernels.probe import (CONTINUE, EVICTING, FREE, HIT, READY, TOKENS_M
 from tract.errors import CorruptionError, PoolFull
 from tract.lease import LINE
 from tract._native._region import INSTRUCTIONS, Region
-from tract.testing import faults
+from tract import _failpoints as faults
 
 __all__ = ["Hit", "Hits", "Index", "Reservation", "Reservations", "STAMP_HZ"]
 

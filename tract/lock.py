@@ -66,7 +66,7 @@ import typing
 from tract._native import _lockfast
 from tract.errors import ConfigError, CorruptionError, LeaseLost, LockTimeout
 from tract.lease import Backoff, Clock, Liveness, NodeTable
-from tract.testing import faults
+from tract import _failpoints as faults
 
 __all__ = ["COHORT_PASSES", "LOCK_MODES", "Lock", "LockLayout", "LockManager", "LockSpace"]
 

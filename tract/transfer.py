@@ -39,7 +39,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from tract._native._region import xxh64_rows
-from tract.errors import ConfigError, TractError
+from tract.errors import ConfigError, CudaError
 
 __all__ = ["DTYPE_BYTES", "CudaError", "KVLayout", "TransferEngine"]
 
@@ -100,10 +100,6 @@ class KVLayout:
     def namespace(self) -> str:
         """The block-hash namespace of this layout (`tract.hashing.BlockHasher`)."""
         return f"kv:{self.model}:{self.fingerprint()}"
-
-
-class CudaError(TractError):
-    """A CUDA runtime call failed; the message names the call and the error."""
 
 
 def _dtype_name(block) -> str | None:

@@ -19,12 +19,12 @@ from typing import Callable
 
 __all__ = ["BENCHMARKS", "Result", "machine", "median_time", "run"]
 
-# name -> module under tract.bench that defines run(quick)
+# name -> module that defines run(quick) (under tract.bench; the simulator's, under tract.testing)
 BENCHMARKS = {
     "alloc": "tract.bench.alloc",
     "hash": "tract.bench.hash",
     "index": "tract.bench.index",
-    "incoherent": "tract.bench.incoherent",
+    "incoherent": "tract.testing.bench_incoherent",  # the simulator's own
     "lock": "tract.bench.lock",
     "region": "tract.bench.region",
     "transfer": "tract.bench.transfer",

@@ -4,7 +4,9 @@ A process dies by SIGKILL at a chosen point of a protocol, as a crashing
 host would, so tests can prove that the rest of the rack survives it (R6:
 every claim it held is a lease).
 
-A point is armed from the environment, read once at import
+The points themselves are `tract._failpoints`'s (the protocol modules
+call them; that module imports only the standard library), re-exported
+here: armed from the environment, read once at import
 (``TRACT_KILL_POINT=<name>``, ``TRACT_KILL_AFTER=<n>``: die the n-th time
 the point is reached, default 1), or in a process by `arm`.  Unarmed,
 `point` is one comparison.
@@ -59,43 +61,9 @@ import time
 import traceback
 import uuid
 
+from tract._failpoints import POINTS, arm, point
+
 __all__ = ["POINTS", "arm", "campaign", "point", "recovery_bound", "soak"]
-
-POINTS = ("lock.acquired", "lock.release", "manager.grant", "alloc.locked", "free.locked",
-          "store.copied", "publish.locked", "evict.marked", "handoff.pinned",
-          "handoff.released")
-
-_ARMED = os.environ.get("TRACT_KILL_POINT") or None
-_AFTER = int(os.environ.get("TRACT_KILL_AFTER", "1"))
-if _ARMED is not None and _ARMED not in POINTS:
-    raise ValueError(f"TRACT_KILL_POINT={_ARMED!r} is not a kill point; the points are "
-                     f"{', '.join(POINTS)}")
-if _AFTER < 1:
-    raise ValueError(f"TRACT_KILL_AFTER must be at least 1, got {_AFTER}")
-_reached = 0
-
-
-def arm(name: str | None, after: int = 1) -> None:
-    """Arm ``name`` in this process (None disarms): die the ``after``-th
-    time it is reached from now."""
-    global _ARMED, _AFTER, _reached
-    if name is not None and name not in POINTS:
-        raise ValueError(f"{name!r} is not a kill point; the points are {', '.join(POINTS)}")
-    if after < 1:
-        raise ValueError(f"after must be at least 1, got {after}")
-    _ARMED, _AFTER, _reached = name, after, 0
-
-
-def point(name: str) -> None:
-    """Die here by SIGKILL if ``name`` is the armed point and this is the
-    armed time it is reached."""
-    global _reached
-    if name != _ARMED:
-        return
-    _reached += 1
-    if _reached >= _AFTER:
-        os.kill(os.getpid(), signal.SIGKILL)
-
 
 # ---------------------------------------------------------------- campaign
 
