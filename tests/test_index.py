@@ -572,8 +572,8 @@ def test_a_multi_chunk_block_evicts_one_run_in_a_fragmented_heap(pool_path):
     """A heap full of one-chunk payloads whose stalest entries lie every
     other chunk: a two-chunk payload evicts the two entries of one run
     (the stalest run), not a sample of stale entries scattered over the
-    heap that frees no run, and a run held by a pinned entry or a slab is
-    never chosen."""
+    heap that frees no run, and a run held by a pinned entry is never
+    chosen."""
     _create(pool_path, size=4 << 20)
     with Pool.open(pool_path, 0, manager=True) as pool:
         stamps = iter(range(1, 10**6))

@@ -712,7 +712,8 @@ class Allocator:
         if now - self._dead_looked < lease / 4:
             return 0
         self._dead_looked = now
-        blocks = self.heap.foreign_blocks()
+        blocks = [block for _, _, used in self.heap.slabs() for block in used
+                  if block[1] != self.heap.pid]
         alive = {pid: pid_alive(pid) for pid in {pid for _, pid in blocks}}
         dead = [block for block in blocks if not alive[block[1]]]
         if dead:

@@ -692,9 +692,7 @@ class Index:
         allocator = self.pool.allocator
         low, high = self.heap
         found_slots, found = [np.zeros(0, np.int64)], [np.zeros((0, LINE // 8), np.uint64)]
-        for first in range(0, self.capacity, 4096):
-            slots = np.arange(first, min(first + 4096, self.capacity))
-            entries = self._read(self._entries(slots))
+        for slots, entries in self._table():
             offsets, lengths = entries[:, 4].astype(np.int64), entries[:, 5].astype(np.int64)
             keep = (self._whole(entries) & ((entries[:, 3] & np.uint64(0xFF)) == READY)
                     & (offsets >= low) & (lengths > allocator.chunk_size // 2)
@@ -801,6 +799,13 @@ class Index:
 
     # ------------------------------------------------------------- scans
 
+    def _table(self, batch: int = 4096):
+        """(slots, entries) of the whole table, ``batch`` slots at a time,
+        fresh (R4)."""
+        for first in range(0, self.capacity, batch):
+            slots = np.arange(first, min(first + batch, self.capacity))
+            yield slots, self._read(self._entries(slots))
+
     def scan(self) -> list[tuple[int, str, tuple[int, int] | None, str | None]]:
         """(slot, state name, payload (offset, length) or None, problem) of
         every non-empty entry, for fsck and the allocator's reclaim; a torn
@@ -809,9 +814,7 @@ class Index:
                  TOMBSTONE: "tombstone"}
         low, high = self.heap
         found = []
-        for first in range(0, self.capacity, 4096):
-            slots = np.arange(first, min(first + 4096, self.capacity))
-            entries = self._read(self._entries(slots))
+        for slots, entries in self._table():
             for slot, entry, sealed in zip(slots.tolist(), entries, self._whole(entries)):
                 where = f"index entry {slot} at offset {self.base + slot * ENTRY_BYTES}"
                 state = int(entry[3]) & 0xFF
@@ -839,9 +842,7 @@ class Index:
         for fsck (a lookup would miss that entry, a reserve duplicate it)."""
         farthest = np.zeros(self.capacity, dtype=np.int64)
         reaches = np.empty(self.capacity, dtype=np.int64)
-        for first in range(0, self.capacity, 4096):
-            slots = np.arange(first, min(first + 4096, self.capacity))
-            entries = self._read(self._entries(slots))
+        for slots, entries in self._table():
             reaches[slots] = self._reach(entries)
             state = entries[:, 3] & np.uint64(0xFF)
             live = self._whole(entries) & (state >= WRITING) & (state <= EVICTING)

@@ -18,7 +18,7 @@ Layout of the heap region (from ``offset``):
           free block (chunk + 1), then the block owners: the pid of the
           process each block was given to (0: free)
 
-The owners make blocks of a dead process findable (`foreign_blocks`), and are
+The owners make blocks of a dead process findable (`slabs`), and are
 the truth: after a holder died inside the mutex (EOWNERDEAD), `repair`
 rebuilds counts and lists from them.  The pool side of a slab (its owner
 record, the global bitmap) is `tract.alloc`'s.
@@ -362,28 +362,6 @@ cdef class NodeHeap:
         finally:
             self._unlock()
         return result
-
-    def foreign_blocks(self):
-        """(offset, pid) of every used block that another process holds."""
-        cdef char *base = self._base()
-        cdef uint32_t chunk, block, cls, pid
-        cdef uint32_t *record
-        found = []
-        self._lock(base)
-        try:
-            for chunk in range(self.nchunks):
-                record = self._record(base, chunk)
-                if record[0] == 0 or record[1] == self._blocks(record[0] - 1):
-                    continue
-                cls = record[0] - 1
-                for block in range(self._blocks(cls)):
-                    pid = record[4 + block]
-                    if pid and pid != <uint32_t>self.pid:
-                        found.append((self.heap_base + <int64_t>chunk * self.chunk_size
-                                      + <int64_t>block * (self.min_block << cls), pid))
-        finally:
-            self._unlock()
-        return found
 
     def release_blocks(self, blocks):
         """Free the given (offset, pid) blocks of processes that died, each
