@@ -10,7 +10,8 @@ import pytest
 
 import tract
 from tract import platform
-from tract._native._region import digest, map_fd
+from tract._native._region import (INSTRUCTIONS, TRACE_FENCE, TRACE_LOAD_FENCE,
+                                   TRACE_STORE_FENCE, digest, map_fd)
 from tract.errors import BoundsError, ConfigError
 from tract.region import create_region, open_region
 
@@ -282,6 +283,84 @@ def test_block_copies_move_exactly_their_bytes(copy_regions, checksums, piece):
         if checksums:
             assert numpy.array_equal(sums_in, sums_out), kind
             assert int(sums_in[0]) == digest(sources[0][:unit], 9), kind
+
+
+def test_the_trace_records_each_primitive_of_its_own_thread(region):
+    """Every line a flush, invalidate or write-back touches, with its
+    instruction, and every fence, in order; nothing of another thread,
+    nothing while off; an overflow is an error, not a short trace."""
+    control = region.cache_control
+    flush, invalidate, payload = (INSTRUCTIONS[name] for name in
+                                  (control.flush, control.invalidate, control.payload))
+    region.flush(0, 64)  # off: nothing recorded
+    region.trace_start(64)
+    with pytest.raises(RuntimeError, match="already on"):
+        region.trace_start()
+    region.flush(70, 100)
+    region.fence()
+    region.invalidate(4096, 1, payload=True)
+    region.invalidate_lines(numpy.array([128, 64], dtype=numpy.int64))
+    region.store_fence()
+    import threading
+    other = threading.Thread(target=lambda: (region.flush(0, 4096), region.fence()))
+    other.start()
+    other.join()
+    region.flush_lines(numpy.array([192], dtype=numpy.int64))
+    region.load_fence()
+    region.flush(0, 0)
+    assert region.trace_stop().tolist() == [
+        [flush, 64], [flush, 128], [TRACE_FENCE, -1], [payload, 4096],
+        [invalidate, 128], [invalidate, 64], [TRACE_STORE_FENCE, -1], [flush, 192],
+        [TRACE_LOAD_FENCE, -1]]
+    with pytest.raises(RuntimeError, match="no cache-control trace is on"):
+        region.trace_stop()
+    region.trace_start(3)
+    region.flush(0, 256)
+    with pytest.raises(OverflowError, match="held 3 entries and 4 were made"):
+        region.trace_stop()
+    with pytest.raises(ValueError, match="capacity must be positive"):
+        region.trace_start(0)
+
+
+def test_native_copies_trace_what_the_simulator_models(copy_regions):
+    """Each copy kind, plain and checksummed, of whole blocks and pieces, at
+    random offsets and sizes: the write-backs and store fences the native
+    copy issues are those `SimHost` models for it (the lines it does not
+    stream whole, one store fence per batch), and so the simulated proofs
+    of the protocol steps hold for the native copies."""
+    from tract.testing.incoherent import SimPool
+
+    rng = numpy.random.default_rng(12)
+    for kind, region in copy_regions.items():
+        for _ in range(40):
+            piece = int(rng.choice([0, 64, 200, 241, 256, 1000, 4160]))
+            count = int(rng.integers(1, 4))
+            sizes = [piece * int(rng.integers(1, 4)) if piece else int(rng.integers(1, 9000))
+                     for _ in range(count)]
+            offsets = numpy.cumsum([int(rng.integers(0, 200)) + (0 if i == 0 else sizes[i - 1])
+                                    for i in range(count)]).astype(numpy.int64)
+            sources = [rng.integers(0, 256, size, dtype=numpy.uint8) for size in sizes]
+            checksums = bool(rng.integers(2))
+            digests = sum(size // piece if piece else 1 for size in sizes)
+            traces = []
+            simulated = SimPool(region.size, hosts=1, seed=0, chaos=0.0)
+            for target in (region, simulated.hosts[0]):
+                def step(target=target):
+                    sums = numpy.zeros(digests, numpy.uint64) if checksums else None
+                    target.copy_in_blocks(offsets, sources, sums, 3, piece)
+                    target.copy_in(int(offsets[0]), sources[0])
+                    outs = [numpy.zeros_like(source) for source in sources]
+                    target.copy_out_blocks(offsets, outs, sums, 3, piece)
+                if target is region:
+                    target.trace_start(4096)
+                    step()
+                else:
+                    target.trace_control = region.cache_control
+                    target.trace_start(4096)
+                    simulated.run(lambda host: step())
+                traces.append(target.trace_stop().tolist())
+            assert traces[0] == traces[1], (kind, piece, sizes, offsets.tolist(), checksums)
+            assert traces[0].count([TRACE_STORE_FENCE, -1]) == 2
 
 
 def test_copy_accepts_any_contiguous_buffer_and_refuses_others(region):

@@ -39,11 +39,13 @@ from libc.stdint cimport int64_t, uint64_t
 from libc.string cimport memset
 
 from tract._native._lockfast cimport ManagerFastPath
-from tract._native._region cimport Region
+from tract._native._region cimport Region, trace_state, tract_trace_bind
 
 cdef extern from "_cachectl.h" nogil:
     void tract_lines(int insn, const char *addr, size_t length) noexcept
     void tract_fence() noexcept
+
+tract_trace_bind(trace_state())  # one cache-control trace per process (_region.pxd)
 
 ctypedef int64_t (*scan_fn)(const uint64_t *words, int64_t nwords, int64_t nbits,
                             int64_t count, int64_t start) noexcept nogil

@@ -26,6 +26,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
+#include <pthread.h>
 
 #define TRACT_LINE 64
 
@@ -108,6 +109,76 @@ static inline int tract_cpu_features(void)
     return features;
 }
 
+/* ------------------------------------------------------------------ trace */
+
+/* The cache-control trace (DESIGN.md §5, fast twins).  While a trace is on,
+ * every line a flush, invalidate or write-back touches is recorded as
+ * (instruction, line address), and every fence as (TRACT_TRACE_*, 0), in
+ * call order, by the thread that started it only (a heartbeat thread's
+ * flushes are not the step under test).  Off (entries NULL, the production
+ * state) it costs each primitive one predictable branch.
+ *
+ * One trace serves the process: each extension module that includes this
+ * header has its own `tract_trace` pointer, which `tract._native._region`'s
+ * state is bound to when the module loads (`tract_trace_bind`), so native
+ * steps of every module and the Numba kernels (which call _region's C entry
+ * points) record into the same buffer. */
+enum tract_trace_op {
+    TRACT_TRACE_FENCE = 16,
+    TRACT_TRACE_STORE_FENCE = 17,
+    TRACT_TRACE_LOAD_FENCE = 18
+};
+
+typedef struct {
+    int64_t *entries;    /* capacity pairs (op, address); NULL: no trace */
+    size_t capacity;
+    size_t count;        /* pairs recorded; more than capacity: it overflowed */
+    pthread_t thread;    /* the thread whose calls are recorded */
+} tract_trace_t;
+
+__attribute__((unused)) static tract_trace_t tract_trace_own = {NULL, 0, 0};
+__attribute__((unused)) static tract_trace_t *tract_trace = &tract_trace_own;
+
+static inline void tract_trace_bind(tract_trace_t *shared) { tract_trace = shared; }
+
+/* Start recording this thread's calls into entries[0 .. 2*capacity). */
+static inline void tract_trace_begin(int64_t *entries, size_t capacity)
+{
+    tract_trace->capacity = capacity;
+    tract_trace->count = 0;
+    tract_trace->thread = pthread_self();
+    tract_trace->entries = entries;
+}
+
+/* Stop recording; the number of pairs made (more than capacity: overflow). */
+static inline size_t tract_trace_end(void)
+{
+    tract_trace->entries = NULL;
+    return tract_trace->count;
+}
+
+__attribute__((unused, noinline)) static void tract_trace_record(int64_t op, uintptr_t address)
+{
+    tract_trace_t *t = tract_trace;
+    if (!pthread_equal(pthread_self(), t->thread)) return;
+    if (t->count < t->capacity) {
+        t->entries[2 * t->count] = op;
+        t->entries[2 * t->count + 1] = (int64_t)address;
+    }
+    t->count++;
+}
+
+/* TRACT_CACHECTL_NO_TRACE compiles the hook out: only for measuring that
+ * it costs nothing (`tract bench trace`). */
+#ifdef TRACT_CACHECTL_NO_TRACE
+#define TRACT_TRACING 0
+#else
+#define TRACT_TRACING __builtin_expect(tract_trace->entries != NULL, 0)
+#endif
+
+#define TRACT_TRACED(op, address) \
+    do { if (TRACT_TRACING) tract_trace_record((op), (uintptr_t)(address)); } while (0)
+
 /* ------------------------------------------------------------ range loops */
 
 #define TRACT_FOR_LINES(p, addr, len) \
@@ -136,6 +207,9 @@ static void tract_clwb_range(const char *addr, size_t len)
 static inline void tract_lines(int insn, const char *addr, size_t len)
 {
     if (len == 0) return;
+    if (TRACT_TRACING && insn != TRACT_INSN_NONE) {
+        TRACT_FOR_LINES(p, addr, len) tract_trace_record(insn, (uintptr_t)p);
+    }
     switch (insn) {
 #ifdef TRACT_X86
     /* write back and drop; ordered with other stores */
@@ -162,6 +236,7 @@ static inline void tract_lines(int insn, const char *addr, size_t len)
 /* Full fence: orders flushes, loads and stores before what follows. */
 static inline void tract_fence(void)
 {
+    TRACT_TRACED(TRACT_TRACE_FENCE, 0);
 #if defined(TRACT_X86)
     _mm_mfence();
 #elif defined(TRACT_AARCH64)
@@ -174,6 +249,7 @@ static inline void tract_fence(void)
 /* Store fence: orders stores, streaming stores and clflushopt/clwb. */
 static inline void tract_store_fence(void)
 {
+    TRACT_TRACED(TRACT_TRACE_STORE_FENCE, 0);
 #if defined(TRACT_X86)
     _mm_sfence();
 #elif defined(TRACT_AARCH64)
@@ -186,6 +262,7 @@ static inline void tract_store_fence(void)
 /* Load fence: later loads wait for earlier ones (and for clflush). */
 static inline void tract_load_fence(void)
 {
+    TRACT_TRACED(TRACT_TRACE_LOAD_FENCE, 0);
 #if defined(TRACT_X86)
     _mm_lfence();
 #elif defined(TRACT_AARCH64)
@@ -589,8 +666,12 @@ static inline uint64_t tract_digest_copy(char *dst, const char *src, size_t n, u
                                          int nt, int kind, int insn)
 {
     int vector = kind == TRACT_NT_AVX512 ? 2 : kind == TRACT_NT_AVX2 ? 1 : 0;
-    if (n > 240)
-        return tract_xxh3_copy(dst, src, n, seed, nt && kind != TRACT_NT_NONE, insn, vector);
+    if (n > 240) {
+        int stream = nt && kind != TRACT_NT_NONE;
+        uint64_t h = tract_xxh3_copy(dst, src, n, seed, stream, insn, vector);
+        if (dst && nt && !stream) tract_lines(insn, dst, n);  /* no streaming stores (R3) */
+        return h;
+    }
     if (!dst) return tract_xxh64(src, n, seed);
     if (nt) tract_stream_in(kind, insn, dst, src, n);
     else memcpy(dst, src, n);

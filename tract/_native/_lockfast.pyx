@@ -47,13 +47,15 @@ from libc.stdint cimport int64_t, uint64_t
 
 from tract._native._localmutex cimport LocalMutex, raise_code, wait
 from tract._native._pthread cimport EBUSY, EOWNERDEAD, pthread_mutex_trylock, pthread_mutex_unlock
-from tract._native._region cimport Region
+from tract._native._region cimport Region, trace_state, tract_trace_bind
 
 cdef extern from "_cachectl.h" nogil:
     void tract_lines(int insn, const char *addr, size_t length) noexcept
     void tract_fence() noexcept
     uint64_t tract_add_u64(uint64_t *addr, int64_t delta) noexcept
     uint64_t tract_load_u64(const uint64_t *addr) noexcept
+
+tract_trace_bind(trace_state())  # one cache-control trace per process (_region.pxd)
 
 cdef enum Outcome:  # what `acquire` and `attempt` report
     OUTCOME_ACQUIRED = 0  # the lock is held; ``epoch`` is the grant's

@@ -2,11 +2,18 @@
 """C-level view of `Region` for other native modules (``cimport``).
 
 A native user reads ``_base`` on every call and treats NULL as closed; it
-checks its offsets once against ``_size`` when it is built.
+checks its offsets once against ``_size`` when it is built.  A module that
+includes ``_cachectl.h`` binds its primitives to the process's one
+cache-control trace when it loads: ``tract_trace_bind(trace_state())``.
 """
 
 from cpython.buffer cimport Py_buffer
 from libc.stdint cimport int64_t, uint64_t
+
+cdef extern from "_cachectl.h" nogil:
+    ctypedef struct tract_trace_t:
+        int64_t *entries
+    void tract_trace_bind(tract_trace_t *shared) noexcept
 
 
 cdef class Region:
@@ -27,3 +34,6 @@ cdef class Region:
     cdef int _check_lines(self, const int64_t[::1] offsets, int width) except -1
     cdef Py_buffer *_views(self, const int64_t[::1] offsets, buffers, uint64_t[::1] sums,
                            int64_t piece, bint writable, Py_ssize_t *got) except NULL
+
+
+cdef tract_trace_t *trace_state() noexcept nogil

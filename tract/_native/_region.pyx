@@ -52,6 +52,10 @@ cdef extern from "_cachectl.h" nogil:
     uint64_t tract_xxh64(const char *p, size_t n, uint64_t seed) noexcept
     uint64_t tract_digest_copy(char *dst, const char *src, size_t n, uint64_t seed, int nt,
                                int kind, int insn) noexcept
+    tract_trace_t *tract_trace
+    void tract_trace_begin(int64_t *entries, size_t capacity) noexcept
+    size_t tract_trace_end() noexcept
+    int TRACT_TRACE_FENCE, TRACT_TRACE_STORE_FENCE, TRACT_TRACE_LOAD_FENCE
 
 LINE = TRACT_LINE
 BUILD_PATH = TRACT_BUILD_PATH.decode()
@@ -64,6 +68,16 @@ INSTRUCTIONS = {
     "dc civac": TRACT_INSN_DC_CIVAC,
     "dc cvac": TRACT_INSN_DC_CVAC,
 }
+
+#: trace ops of the fences (a line operation's op is its entry in `INSTRUCTIONS`)
+TRACE_FENCE = TRACT_TRACE_FENCE
+TRACE_STORE_FENCE = TRACT_TRACE_STORE_FENCE
+TRACE_LOAD_FENCE = TRACT_TRACE_LOAD_FENCE
+
+cdef tract_trace_t *trace_state() noexcept nogil:
+    return tract_trace
+
+_trace_buffer = None  # the entries of the trace that is on (kept alive while it is)
 
 NONTEMPORAL = {
     "none": TRACT_NT_NONE,
@@ -548,6 +562,50 @@ cdef class Region:
         with nogil:
             for i in range(offsets.shape[0]):
                 (<volatile uint32_t *>(self._base + offsets[i]))[0] = value
+
+    # ------------------------------------------------------------- tracing
+
+    def trace_start(self, Py_ssize_t capacity=1 << 16):
+        """Record the cache control of this thread from now on, in every
+        native step and kernel of the process (DESIGN.md §5): each line a
+        flush, invalidate or write-back touches, and each fence, in call
+        order, up to ``capacity`` entries.  One trace at a time."""
+        global _trace_buffer
+        if capacity <= 0:
+            raise ValueError(f"trace capacity must be positive, got {capacity}")
+        if tract_trace.entries != NULL:
+            raise RuntimeError("a cache-control trace is already on; trace_stop it first")
+        buffer = numpy.zeros((capacity, 2), dtype=numpy.int64)
+        cdef int64_t[:, ::1] entries = buffer
+        _trace_buffer = buffer
+        tract_trace_begin(&entries[0, 0], capacity)
+
+    def trace_stop(self):
+        """End the trace; an ``(n, 2)`` int64 array of ``(op, offset)``.
+
+        ``op`` is the instruction of a line operation (its value in
+        `INSTRUCTIONS`; an instruction ``none`` issues nothing and is not
+        recorded) with the line's offset in this mapping, or a fence
+        (`TRACE_FENCE`, `TRACE_STORE_FENCE`, `TRACE_LOAD_FENCE`) with
+        offset -1.  Lines of other mappings are left out.  A trace that
+        outgrew its capacity raises `OverflowError` (nothing is dropped
+        silently)."""
+        global _trace_buffer
+        if tract_trace.entries == NULL:
+            raise RuntimeError("no cache-control trace is on")
+        cdef size_t made = tract_trace_end()
+        buffer, _trace_buffer = _trace_buffer, None
+        if made > <size_t>buffer.shape[0]:
+            raise OverflowError(f"the cache-control trace held {buffer.shape[0]} entries "
+                                f"and {made} were made: start it with more")
+        self._check(0, 0)
+        trace = buffer[:made].copy()
+        fences = trace[:, 0] >= TRACT_TRACE_FENCE
+        trace[fences, 1] = -1
+        lines = ~fences
+        trace[lines, 1] -= <int64_t><uintptr_t>self._base
+        inside = fences | ((trace[:, 1] >= 0) & (trace[:, 1] < <int64_t>self._size))
+        return trace[inside]
 
     # -------------------------------------------------- measured primitives
 

@@ -37,6 +37,15 @@ that another host has written back since this host fetched it is a
 `StaleRead` (R4 broken).  Both are recorded with offsets, hosts and a short
 trace; ``raise_on_lost_update`` / ``raise_on_stale_read`` raise at once.
 
+Trace.  `SimHost.trace_start` / `trace_stop` record the host's cache
+control in the format of the native `Region.trace_stop` (DESIGN.md §5):
+``(instruction, line offset)`` per line a flush, invalidate or write-back
+touches, with the instructions a given `CacheControl` would issue (the
+process default), and ``(TRACE_*FENCE, -1)`` per fence; copies record what
+the native copies issue (write-backs of the lines not streamed whole, the
+store fence).  So a Python step traced here and on a real mapping can be
+compared batch by batch.
+
 Scheduling.  `SimPool.run` runs one function per host in threads, but only
 one at a time: a seeded scheduler passes the baton between them at every
 simulated memory operation, so a seed fixes the interleaving, the chaos and
@@ -53,6 +62,8 @@ import threading
 
 import numpy
 
+from tract import platform
+from tract._native import _region
 from tract.errors import BoundsError, ConfigError, TractError
 from tract.platform import CacheControl
 
@@ -68,6 +79,8 @@ __all__ = [
 ]
 
 LINE = 64
+_FENCES = {"fence": _region.TRACE_FENCE, "store_fence": _region.TRACE_STORE_FENCE,
+           "load_fence": _region.TRACE_LOAD_FENCE}
 _SIM_CONTROL = CacheControl("none", "simulated", "simulated", "simulated", "simulated",
                             "simulated", "simulated", "simulated", "simulator")
 
@@ -385,6 +398,11 @@ class SimHost:
         # Per simulated thread (a core): line -> "flush" | "invalidate" |
         # "writeback".  A fence completes only its own thread's queue.
         self._queues: dict[int | None, dict[int, str]] = {}
+        self._trace: list[tuple[int, int]] | None = None
+        self._trace_capacity = 0
+        self._trace_insns: dict[str, int] = {}
+        self._trace_nontemporal = "none"
+        self.trace_control: CacheControl | None = None
 
     # ---------------------------------------------------------- interface
 
@@ -468,13 +486,41 @@ class SimHost:
         self._cache[offset:offset + source.nbytes] = source
         if nontemporal:
             # Streaming stores and the closing sfence: in memory on return.
-            for line in self._lines(offset, source.nbytes):
-                self._write_back(line)
+            self._stream(offset, source.nbytes)
+            self._traced(_region.TRACE_STORE_FENCE, -1)
+
+    def _stream(self, offset: int, length: int, pieces: int = 0) -> None:
+        """Streamed into memory: every line written back now; traced as
+        the native streaming copy (of whole ``pieces`` when checksummed)."""
+        for line in self._lines(offset, length):
+            self._write_back(line)
+        if self._trace is None:
+            return
+        kind = self._trace_nontemporal
+        for at in range(offset, offset + length, pieces or length):
+            size = pieces or length
+            if kind == "none" or (pieces and size > 240 and at % LINE):
+                lines = self._lines(at, size)  # plain stores, all written back
+            elif pieces and size > 240:  # fused with XXH3: the last stripe's tail
+                last = (size - 1) // LINE * LINE if kind == "sse2" else size // LINE * LINE
+                lines = self._lines(at + last, size - last)
+            else:
+                head = min(-at % LINE, size)
+                body = (size - head) // LINE * LINE
+                lines = (self._lines(at, size) if not body else
+                         [*self._lines(at, head), *self._lines(at + head + body,
+                                                               size - head - body)])
+            for line in lines:
+                self._traced(self._trace_insns["writeback"], line * LINE)
 
     def copy_in_blocks(self, offsets, sources, sums=None, seed: int = 0, piece: int = 0) -> None:
-        """`Region.copy_in_blocks`: non-temporal copies, digests of pieces."""
+        """`Region.copy_in_blocks`: non-temporal copies (one store fence),
+        digests of pieces."""
         for offset, source in self._blocks(offsets, sources, sums, piece):
-            self.copy_in(offset, source)
+            size = memoryview(source).nbytes
+            self.copy_in(offset, source, nontemporal=False)
+            self._stream(offset, size, (piece or size) if sums is not None else 0)
+        self._traced(_region.TRACE_STORE_FENCE, -1)
         self._digests(sources, sums, seed, piece)
 
     def copy_out_blocks(self, offsets, targets, sums=None, seed: int = 0, piece: int = 0) -> None:
@@ -588,13 +634,13 @@ class SimHost:
                           f"coherence, so no atomics (atomic locks need coherence='hardware')")
 
     def flush(self, offset: int, length: int, payload: bool = False) -> None:
-        self._enqueue(offset, length, "flush")
+        self._enqueue(offset, length, "flush", "payload" if payload else "flush")
 
     def invalidate(self, offset: int, length: int, payload: bool = False) -> None:
-        self._enqueue(offset, length, "invalidate")
+        self._enqueue(offset, length, "invalidate", "payload" if payload else "invalidate")
 
     def writeback(self, offset: int, length: int) -> None:
-        self._enqueue(offset, length, "writeback")
+        self._enqueue(offset, length, "writeback", "writeback")
 
     def fence(self) -> None:
         self._fence("fence")
@@ -604,6 +650,36 @@ class SimHost:
 
     def load_fence(self) -> None:
         self._fence("load_fence")
+
+    # --------------------------------------------------------------- trace
+
+    def trace_start(self, capacity: int = 1 << 16) -> None:
+        """Record this host's cache control as `Region.trace_start` does,
+        naming the instructions `trace_control` (a `CacheControl`; None, the
+        default: the process's, for a non-coherent pool) would issue."""
+        if capacity <= 0:
+            raise ValueError(f"trace capacity must be positive, got {capacity}")
+        if self._trace is not None:
+            raise RuntimeError("a cache-control trace is already on; trace_stop it first")
+        control = self.trace_control or platform.cache_control(None, "none")
+        self._trace_insns = {action: _region.INSTRUCTIONS[getattr(control, action)]
+                             for action in ("flush", "invalidate", "writeback", "payload")}
+        self._trace_nontemporal = control.nontemporal
+        self._trace, self._trace_capacity = [], capacity
+
+    def trace_stop(self) -> numpy.ndarray:
+        """End the trace: an ``(n, 2)`` int64 array as `Region.trace_stop` returns."""
+        if self._trace is None:
+            raise RuntimeError("no cache-control trace is on")
+        trace, self._trace = self._trace, None
+        if len(trace) > self._trace_capacity:
+            raise OverflowError(f"the cache-control trace held {self._trace_capacity} entries "
+                                f"and {len(trace)} were made: start it with more")
+        return numpy.array(trace, dtype=numpy.int64).reshape(-1, 2)
+
+    def _traced(self, op: int, offset: int) -> None:
+        if self._trace is not None and op != _region.INSTRUCTIONS["none"]:
+            self._trace.append((op, offset))
 
     # ------------------------------------------------------------ internals
 
@@ -655,9 +731,11 @@ class SimHost:
             self.pool._step(self.index, what, line)
             self._marked[line] = True
 
-    def _enqueue(self, offset: int, length: int, kind: str) -> None:
+    def _enqueue(self, offset: int, length: int, kind: str, action: str) -> None:
         self._check(offset, length)
         for line in self._lines(offset, length):
+            if self._trace is not None:
+                self._traced(self._trace_insns[action], line * LINE)
             self.pool._step(self.index, kind, line)
             queue = self._queues.setdefault(getattr(self.pool._thread, "index", None), {})
             queued = queue.get(line)
@@ -669,6 +747,7 @@ class SimHost:
         self.pool._chaos()
 
     def _fence(self, what: str) -> None:
+        self._traced(_FENCES[what], -1)
         self.pool._step(self.index, what, -1)
         queue = self._queues.pop(getattr(self.pool._thread, "index", None), {})
         for line, kind in queue.items():
