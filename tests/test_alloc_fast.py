@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import naive
+import twins
 from tract._kernels import bitmap
 from tract.alloc import FREE, HEAD, OWNER_BYTES, SLAB, TAIL
 from tract.errors import CorruptionError, LeaseLost, PoolFull
@@ -81,18 +82,28 @@ def _held(pool):
         lock.release()
 
 
-def _run_both(pool, state, native, reference):
-    """(result or error type, bytes) of each, from ``state``."""
+def _run_both(pool, state, native, reference, name):
+    """Each from ``state``, under the lock, traced (tests/twins.py): the
+    native section's (result, bytes) when it handed the case back, else
+    held to its reference (result, bytes, cache-control batches).  Returns
+    ((native result, bytes), (reference result or error type, bytes))."""
     outcomes = []
-    for step in (native, reference):
+    for step in (reference, native):
         _restore(pool, state)
         with _held(pool) as lock:
-            try:
-                result = step(lock)
-            except (CorruptionError, LeaseLost, PoolFull, ValueError) as error:
-                result = type(error)
-        outcomes.append((result, _snapshot(pool)))
-    return outcomes
+            outcomes.append(twins.run(pool.region, [_area(pool)], lambda: step(lock),
+                                      errors=(CorruptionError, LeaseLost, PoolFull, ValueError)))
+    reference, fast = outcomes
+    if fast.result != "handed back":
+        layout = pool.alloc_layout
+        lock_area = range(pool.layout.offset, pool.layout.offset + pool.layout.nbytes)
+        bitmap = range(layout.bitmap, layout.bitmap + layout.bitmap_bytes)
+        twins.check(name, reference, fast, adjust=twins.compose(
+            twins.merge_into_first(lambda offset: offset in lock_area),
+            (twins.drop_refetch if name.endswith(".alloc") else twins.hoist_reads)(
+                lambda offset: offset in bitmap)))
+    result = reference.result[0] if isinstance(reference.result, tuple) else reference.result
+    return (fast.result, fast.after[0]), (result, reference.after[0])
 
 
 def test_alloc_matches_the_reference_on_random_states(pool):
@@ -118,7 +129,8 @@ def test_alloc_matches_the_reference_on_random_states(pool):
             allocator._publish(first, count, kind, owner)
             return first
 
-        (fast, fast_bytes), (ref, ref_bytes) = _run_both(pool, state, native, reference)
+        (fast, fast_bytes), (ref, ref_bytes) = _run_both(
+            pool, state, native, reference, "tract._native._allocfast.ChunkFastPath.alloc")
         if fast == "handed back":
             assert fast_bytes == state, "a handed-back alloc wrote"
             # nothing free from the cursor: the reference reclaims or is full
@@ -171,7 +183,8 @@ def test_free_matches_the_reference_on_random_and_broken_records(pool):
                 allocator._release(first, count)
                 return count
 
-            (fast, fast_bytes), (ref, ref_bytes) = _run_both(pool, state, native, reference)
+            (fast, fast_bytes), (ref, ref_bytes) = _run_both(
+                pool, state, native, reference, "tract._native._allocfast.ChunkFastPath.free")
             if fast == "handed back":
                 assert fast_bytes == state, "a handed-back free wrote"
                 assert ref in (ValueError, CorruptionError), (damage, kind, expected)

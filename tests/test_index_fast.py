@@ -8,12 +8,13 @@ answer exactly as they do."""
 import random
 
 import naive
+import twins
 import numpy as np
 import pytest
 
 from tract._kernels import probe
 from tract.errors import CorruptionError
-from tract.index import Index, _IndexFull
+from tract.index import Hits, Index, _IndexFull
 from tract.lease import LINE
 from tract.pool import Pool
 
@@ -76,31 +77,42 @@ def _pin_counts(index):
     return (lines.reshape(-1) & np.uint64(0xFFFFFFFF))[:index.capacity].copy()
 
 
+def _areas(index):
+    """The index's table and every node's pin words."""
+    return [(index.base, index.capacity * LINE),
+            (index.node_base, index.max_nodes * index.node_bytes)]
+
+
+def _held_to(name, reference, fast, step, context):
+    """``step(index)`` of each from the same bytes, held to the reference
+    by result, bytes and cache-control batches (tests/twins.py)."""
+    want, got = twins.both(reference.region, _areas(reference), lambda: step(reference),
+                           lambda: step(fast))
+    twins.check(name, want, got, context=context)
+    return got.result
+
+
 def test_lookup_and_pin_match_the_python_steps(indexes):
     _, fast, reference = indexes
+    fast.stamp = reference.stamp = lambda: 0x1234  # the pin stamp: the same for both
     rng = random.Random(5)
-    for _ in range(150):
+    for trial in range(150):
         keys = _keys(rng, rng.randint(1, 12), fast.mask)
         _random_table(rng, fast, keys.tolist(), 3)
         for leading in (False, True):
-            got, want = fast._probe(keys, leading), reference._probe(keys, leading)
-            for a, b in zip(got, want):
-                np.testing.assert_array_equal(a, b)
+            _held_to("tract._kernels.indexfast.lookup", reference, fast,
+                     lambda index: index._probe(keys, leading), (trial, leading))
         assert fast.lookup(keys) == reference.lookup(keys)
-        outcomes = []
-        for index in (reference, fast):
-            try:
-                hits = index.pin(keys)
-            except CorruptionError as error:  # a payload outside the heap
-                outcomes.append((str(error), _pin_counts(index)))
-                continue
-            counts = _pin_counts(index)
-            outcomes.append((hits.slots.tolist(), hits.entries.tolist(), counts))
-            index.unpin(hits)
-            assert not _pin_counts(index).any()
-        assert len(outcomes[0]) == len(outcomes[1])
-        for a, b in zip(*outcomes):
-            np.testing.assert_array_equal(a, b)
+        hits = _held_to("tract._kernels.indexfast.pin", reference, fast,
+                        lambda index: _pinned(index, keys), trial)
+        if not isinstance(hits[0], type):  # not a CorruptionError (a payload outside the heap)
+            fast.unpin(Hits(*hits))
+            assert not _pin_counts(fast).any()
+
+
+def _pinned(index, keys):
+    hits = index.pin(keys)
+    return hits.slots, hits.entries
 
 
 def test_a_full_pin_word_takes_back_every_pin(indexes):
@@ -127,23 +139,13 @@ def test_reserve_slots_match_the_python_steps(indexes):
     pool, fast, reference = indexes
     rng = random.Random(7)
     outcomes = {"full": 0, "decided": 0}
-    for _ in range(200):
+    for trial in range(200):
         keys = _keys(rng, rng.randint(1, 20), fast.mask)
         _random_table(rng, fast, keys.tolist(), 3, full=rng.random() < 0.15)
-        results = []
         with pool.lock("index")(10):
-            for index in (reference, fast):
-                try:
-                    results.append(index._reserve_slots(keys))
-                except _IndexFull as full:
-                    results.append((str(full), full.missing))
-        if isinstance(results[0][0], str):
-            outcomes["full"] += 1
-            assert results[0] == results[1]
-            continue
-        outcomes["decided"] += 1
-        for a, b in zip(*results):
-            np.testing.assert_array_equal(a, b)
+            result = _held_to("tract._kernels.indexfast.reserve_slots", reference, fast,
+                              lambda index: index._reserve_slots(keys), trial)
+        outcomes["full" if result[0] is _IndexFull else "decided"] += 1
     assert outcomes["full"] and outcomes["decided"] > 100, outcomes
 
 

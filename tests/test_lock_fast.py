@@ -11,6 +11,8 @@ import time
 
 import pytest
 
+import twins
+
 from tract._native import _lockfast
 from tract.errors import CorruptionError
 from tract.lock import COHORT_PASSES, GRANTED, NONE, REVOKING, grant_check
@@ -63,23 +65,36 @@ def test_grant_check_twin():
         assert _lockfast.grant_check(fields) == grant_check(fields)
 
 
+def _held_to(name, pool, lock, state, reference, fast):
+    """Each step from ``state``, held to the reference by result, bytes and
+    cache-control batches (tests/twins.py)."""
+    area = [(pool.layout.offset, pool.layout.nbytes)]
+    _write(pool, lock, state)
+    want, got = twins.both(pool.region, area, reference, fast)
+    twins.check(name, want, got, context=state)
+
+
 def test_announce_and_first_attempt_match_the_reference(pool):
     lock = pool.lock("alloc")
     index, reference, fast = pool._names["alloc"], lock.global_lock, lock.fast
     compared = 0
-    for state in _states():
-        _write(pool, index, state)
+
+    def announce_and_attempt():
         seq = reference.announce()
         try:
             granted, _, _ = reference.attempt(seq, first=True)
         except CorruptionError:
             granted = False  # the reference raises; the fast path must leave it to it
-        expected = (_lockfast.ACQUIRED if granted else _lockfast.ANNOUNCED, seq,
-                    reference.epoch if granted else None, _lock_area(pool))
-        _write(pool, index, state)
+        return (_lockfast.ACQUIRED if granted else _lockfast.ANNOUNCED, seq,
+                reference.epoch if granted else None)
+
+    def attempt():
         outcome = fast.attempt()
-        assert (outcome, fast.seq, fast.epoch if outcome == _lockfast.ACQUIRED else None,
-                _lock_area(pool)) == expected, state
+        return outcome, fast.seq, fast.epoch if outcome == _lockfast.ACQUIRED else None
+
+    for state in _states():
+        _held_to("tract._native._lockfast.ManagerFastPath.attempt", pool, index, state,
+                 announce_and_attempt, attempt)
         compared += 1
     assert compared == 4 * 4 * 4 * 2 * 2 * 2 * 2
 
@@ -87,21 +102,20 @@ def test_announce_and_first_attempt_match_the_reference(pool):
 def test_still_granted_and_release_match_the_reference(pool):
     lock = pool.lock("alloc")
     index, reference, fast = pool._names["alloc"], lock.global_lock, lock.fast
+
+    def still_granted():
+        try:
+            return reference.still_granted()
+        except CorruptionError:
+            return False
+
     for state in _states():
         for epoch in (5, 6):
             reference.epoch = fast.epoch = epoch
-            _write(pool, index, state)
-            try:
-                expected = reference.still_granted()
-            except CorruptionError:
-                expected = False
-            assert fast.still_granted() == expected, (state, epoch)
-        _write(pool, index, state)
-        reference.release()
-        expected = _lock_area(pool)
-        _write(pool, index, state)
-        fast.repair()
-        assert _lock_area(pool) == expected
+            _held_to("tract._native._lockfast.ManagerFastPath.still_granted", pool, index,
+                     state, still_granted, fast.still_granted)
+        _held_to("tract._native._lockfast.ManagerFastPath.repair", pool, index, state,
+                 reference.release, fast.repair)
         assert fast.slot_words() == (0, 0, 0)
 
 

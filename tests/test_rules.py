@@ -7,6 +7,7 @@ import ast
 from pathlib import Path
 
 import tract
+import twins
 
 ROOT = Path(tract.__file__).parent
 
@@ -52,3 +53,85 @@ def test_the_rules_see_imports():
     """The checks above find what they look for (they are not vacuous)."""
     tree = ast.parse("from tract.testing import faults\nfrom tract.lock import _x\n")
     assert list(_imports(tree)) == [("tract.testing", ["faults"]), ("tract.lock", ["_x"])]
+
+
+# ------------------------------------------------------------ fast twins
+
+FAST_MODULES = ("tract._kernels.indexfast", "tract._native._allocfast",
+                "tract._native._lockfast", "tract._native._nodeheap")
+#: the batched native steps of the mapping (its single primitives are what
+#: every trace is made of, and are held to the simulator's model of them)
+REGION_STEPS = ("copy_in_blocks", "copy_out_blocks")
+
+
+def fast_entry_points():
+    """Every fast entry point: the public functions of the kernels' twin
+    modules, the public methods of each native class that works on a pool,
+    and the mapping's batched copies."""
+    import importlib
+    import inspect
+
+    found = []
+    for name in FAST_MODULES:
+        module = importlib.import_module(name)
+        if hasattr(module, "__all__") and not name.startswith("tract._native"):
+            found += [f"{name}.{item}" for item in module.__all__]
+            continue
+        for cls_name, cls in vars(module).items():
+            if not inspect.isclass(cls) or cls.__module__ != name or cls_name.startswith("_"):
+                continue
+            if f"{name}.{cls_name}" in twins.NOT_STEPS:
+                found.append(f"{name}.{cls_name}")
+                continue
+            found += [f"{name}.{cls_name}.{method}" for method, value in vars(cls).items()
+                      if not method.startswith("_") and callable(value)]
+    return found + [f"tract._native._region.Region.{step}" for step in REGION_STEPS]
+
+
+def _resolves(dotted):
+    import importlib
+
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            target = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for part in parts[cut:]:
+            target = getattr(target, part, None)
+        return target is not None
+    return False
+
+
+def test_every_fast_entry_point_has_a_registered_twin():
+    """DESIGN.md §5: a fast path without a registered twin is a defect.
+    Each entry point is in `tests/twins.py`'s TWINS (with a reference that
+    exists), or named there as no protocol step, or as unproven: a list
+    that may only shrink."""
+    points = fast_entry_points()
+    assert len(points) > 10 and "tract._kernels.indexfast.pin" in points
+    missing = [point for point in points
+               if point not in twins.TWINS and point not in twins.NOT_STEPS
+               and point not in twins.UNPROVEN]
+    assert missing == []
+    stale = [name for name in [*twins.TWINS, *twins.NOT_STEPS, *twins.UNPROVEN]
+             if name not in points]
+    assert stale == []
+    for twin in twins.TWINS.values():
+        for reference in twin.reference.split(" + "):
+            name = reference.split(" ")[0]
+            assert _resolves(name), f"{twin.fast}: its reference {name} does not exist"
+    assert set(twins.UNPROVEN) <= {
+        "tract._native._lockfast.ManagerFastPath.acquire",
+        "tract._native._lockfast.ManagerFastPath.release",
+        "tract._native._lockfast.ManagerFastPath.sweep"}
+
+
+def test_every_registered_twin_is_held_to_its_reference_by_a_test():
+    """Each twin's name appears in a test that calls `twins.check` (so a
+    registration is not a claim)."""
+    tests = Path(__file__).parent
+    text = "\n".join(path.read_text() for path in tests.glob("test_*.py")
+                     if "twins.check" in path.read_text() or "twins.run" in path.read_text())
+    unchecked = [name for name in twins.TWINS if f'"{name}"' not in text]
+    assert unchecked == []

@@ -91,6 +91,8 @@ def pin(address, base, mask, capacity, pins, read_insn, flush_insn, keys, stamp,
     hit ``i`` is full (the pins before it taken back)."""
     codes = np.empty(keys.shape[0], np.int64)
     count = lookup(address, base, mask, capacity, read_insn, keys, True, codes, slots, entries)
+    if count == 0:
+        return 0
     for i in range(count):
         word = address + pins + (slots[i] & mask) * 8
         if add_u32(word, 1) == PIN_MAX:
