@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from tract._native._region import TRACE_FENCE
+from tract._native._region import INSTRUCTIONS, TRACE_FENCE
 
 __all__ = ["NOT_STEPS", "TWINS", "UNPROVEN", "Outcome", "Twin", "batches", "both", "check",
            "compose", "drop_refetch", "hoist_reads", "merge_into_first", "run", "twin"]
@@ -47,7 +47,9 @@ class Twin:
 
 TWINS: dict[str, Twin] = {twin.fast: twin for twin in (
     Twin("tract._kernels.indexfast.lookup", "tract.index.Index._probe"),
-    Twin("tract._kernels.indexfast.pin", "tract.index.Index.pin"),
+    Twin("tract._kernels.indexfast.pin", "tract.index.Index.pin",
+         ("at a full pin word it stops: the pins after it are never taken, so never taken "
+          "back",)),
     Twin("tract._kernels.indexfast.reserve_slots", "tract.index.Index._reserve_slots"),
     Twin("tract._native._allocfast.ChunkFastPath.alloc",
          "tract.alloc.Allocator._find + tract.lock.Lock.check + tract.alloc.Allocator._publish",

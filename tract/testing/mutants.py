@@ -31,6 +31,19 @@ tier), instead of running the suites unmutated again.
 
 Protocol modules register their simulated test files in `SUITES`; each
 protocol issue adds its module there.
+
+*Native sites* (DESIGN.md §5, fast twins).  The same deletions are made in
+the fast paths: every call of ``tract_lines``, ``tract_fence``,
+``tract_store_fence`` and ``tract_load_fence`` in ``tract/_native/*.pyx``
+(the timing helpers of `tract bench` excepted), in the primitives of
+``tract/_native/_cachectl.h`` that do more than one instruction (the
+streaming and checksummed copies, with their partial-line write-backs), and
+every ``lines`` / ``fence`` call in the kernels of `NATIVE_SUITES`.  A
+``.pyx`` mutant rebuilds only its own extension in the scratch copy (a
+header mutant, the extension that uses those primitives); a kernel mutant
+is a mutated ``.py``.  Each runs its native suite (`NATIVE_SUITES`: the twin
+tests, which hold the fast path to its reference by result, bytes and
+cache-control trace), the test that killed it last time first.
 """
 
 from __future__ import annotations
@@ -49,7 +62,8 @@ import tempfile
 import types
 from pathlib import Path
 
-__all__ = ["SUITES", "SYNC_CALLS", "Site", "mutate", "run_mutant", "sites"]
+__all__ = ["NATIVE_SUITES", "SUITES", "SYNC_CALLS", "Site", "mutate", "native_mutant",
+           "native_sites", "run_mutant", "sites"]
 
 SYNC_CALLS = ("flush", "invalidate", "writeback", "fence", "store_fence", "load_fence",
               "flush_lines", "invalidate_lines")
@@ -66,6 +80,24 @@ SUITES: dict[str, list[str]] = {
     "tract.stats": ["tests/test_stats.py"],
 }
 
+# native source -> (the extension a mutant rebuilds or None, its twin tests)
+NATIVE_SUITES: dict[str, tuple[str | None, list[str]]] = {
+    "tract/_native/_allocfast.pyx": ("tract._native._allocfast",
+                                     ["tests/test_alloc_fast.py", "tests/test_twins.py"]),
+    "tract/_native/_lockfast.pyx": ("tract._native._lockfast", ["tests/test_lock_fast.py"]),
+    "tract/_native/_region.pyx": ("tract._native._region",
+                                  ["tests/test_region.py", "tests/test_twins.py",
+                                   "tests/test_index_fast.py"]),
+    "tract/_native/_cachectl.h": ("tract._native._region", ["tests/test_region.py"]),
+    "tract/_kernels/indexfast.py": (None, ["tests/test_index_fast.py"]),
+}
+NATIVE_CALLS = ("tract_lines", "tract_fence", "tract_store_fence", "tract_load_fence")
+KERNEL_CALLS = ("lines", "fence")
+# the primitives of _cachectl.h made of more than one instruction
+HEADER_PRIMITIVES = ("tract_stream_in", "tract_copy_in_nt", "tract_xxh3_copy",
+                     "tract_digest_copy")
+NATIVE_MARKERS = "not multiprocess and not slow"
+
 SEEDS_ENV = "TRACT_SIM_SEEDS"
 
 
@@ -81,7 +113,9 @@ class Site:
     function: str
 
     def as_dict(self) -> dict:
-        return {"module": self.module, "line": self.line, "kind": self.kind,
+        source = self.module if "/" in self.module else \
+            self.module.replace(".", "/") + ".py"
+        return {"module": self.module, "file": source, "line": self.line, "kind": self.kind,
                 "function": self.function}
 
 
@@ -201,6 +235,121 @@ def _statement_lines(site: Site) -> range:
     return range(best.lineno, best.end_lineno + 1)
 
 
+def _repository_file(relative: str) -> Path:
+    return Path(importlib.util.find_spec("tract").submodule_search_locations[0]).parent / relative
+
+
+def _call_span(text: str, start: int) -> int:
+    """The end of the call whose name starts at ``start`` (after its ``)``)."""
+    depth, at = 0, text.index("(", start)
+    while True:
+        if text[at] == "(":
+            depth += 1
+        elif text[at] == ")":
+            depth -= 1
+            if depth == 0:
+                return at + 1
+        at += 1
+
+
+def _native_calls(path: str) -> list[tuple[int, int, str, str]]:
+    """(start, end, call, enclosing function) of every native site in a
+    ``.pyx`` or header, in source order."""
+    import re
+
+    text = _repository_file(path).read_text()
+    header = path.endswith(".h")
+    function, found = "<module>", []
+    functions = re.compile(r"^\s*(?:cdef\s+|cpdef\s+|def\s+)(?:[\w\s\*]*?\s)?\*?(\w+)\s*\("
+                           if not header else r"^static\s[^;]*?\b(\w+)\s*\([^;]*$")
+    offset = 0
+    for line in text.splitlines(keepends=True):
+        match = functions.match(line)
+        if match and not line.lstrip().startswith(("void ", "uint", "int ")):
+            function = match.group(1)
+        stripped = line.lstrip()
+        code = line.split("#")[0] if not header else line.split("/*")[0].split("//")[0]
+        in_scope = function in HEADER_PRIMITIVES if header else \
+            not function.startswith("time_") and not stripped.startswith(("void ", "uint"))
+        for match in re.finditer(r"\b(" + "|".join(NATIVE_CALLS) + r")\s*\(", code):
+            if in_scope and not code[:match.start()].rstrip().endswith(("def", "void")):
+                start = offset + match.start()
+                found.append((start, _call_span(text, start), match.group(1), function))
+        offset += len(line)
+    return found
+
+
+def native_sites(path: str) -> list[Site]:
+    """Every cache-control call site of a native source (``.pyx``, the
+    header's multi-instruction primitives) or of a kernel module, in
+    source order; ``module`` is the path from the repository root."""
+    if path.endswith(".py"):
+        tree = ast.parse(_repository_file(path).read_text())
+        return [Site(path, index, call.lineno, call.col_offset, call.func.id, function)
+                for index, (call, function) in enumerate(_kernel_calls(tree))]
+    text = _repository_file(path).read_text()
+    return [Site(path, index, text.count("\n", 0, start) + 1, 0, call, function)
+            for index, (start, _, call, function) in enumerate(_native_calls(path))]
+
+
+def _kernel_calls(tree: ast.AST):
+    found = []
+
+    def visit(node: ast.AST, function: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            name = child.name if isinstance(child, ast.FunctionDef) else function
+            if isinstance(child, ast.Call) and isinstance(child.func, ast.Name) \
+                    and child.func.id in KERNEL_CALLS:
+                found.append((child, function))
+            visit(child, name)
+
+    visit(tree, "<module>")
+    return sorted(found, key=lambda item: (item[0].lineno, item[0].col_offset))
+
+
+def native_mutant(site: Site) -> str:
+    """The source of ``site.module`` with that one call removed."""
+    text = _repository_file(site.module).read_text()
+    if site.module.endswith(".py"):
+        tree = ast.parse(text)
+        call, _ = _kernel_calls(tree)[site.index]
+        return ast.unparse(ast.fix_missing_locations(_Remove(call).visit(tree)))
+    start, end, _, _ = _native_calls(site.module)[site.index]
+    return text[:start] + ("(void)0" if site.module.endswith(".h") else "pass") + text[end:]
+
+
+_BUILD = """
+import sys
+import numpy
+from Cython.Build import cythonize
+from setuptools import Extension, setup
+sys.argv = ["setup.py", "-q", "build_ext", "--inplace"]
+name = {extension!r}
+source = "tract/_native/" + name.rpartition(".")[2] + ".pyx"
+setup(ext_modules=cythonize([Extension(name, [source], include_dirs=["tract/_native", numpy.get_include()],
+      define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")], extra_compile_args=["-O2"])],
+      language_level=3, quiet=True, force=True))
+"""
+
+
+def _native_overlay(site: Site, directory: Path) -> str | None:
+    """The package copied under ``directory`` with ``site``'s source
+    mutated and, for native code, its extension rebuilt there.  Returns an
+    error message when the build fails."""
+    package = _repository_file("tract")
+    shutil.copytree(package, directory / "tract",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.c", "*.html"))
+    (directory / site.module).write_text(native_mutant(site))
+    extension, _ = NATIVE_SUITES[site.module]
+    if extension is None:
+        return None
+    done = subprocess.run([sys.executable, "-c", _BUILD.format(extension=extension)],
+                          cwd=directory, capture_output=True, text=True, timeout=600)
+    if done.returncode:
+        return f"build failed: {(done.stdout + done.stderr)[-400:]}"
+    return None
+
+
 def coverage_map(suite: tuple[str, ...], modules: list[str], root: Path, seeds: int,
                  timeout: float = 3600) -> tuple[str, dict[str, dict[int, set[str]]]]:
     """Run one suite unmutated under coverage.py with a context per test.
@@ -263,11 +412,23 @@ def run_mutant(site: Site | None, module: str, root: Path, seeds: int,
     unmutated module): ``tests`` (pytest ids, in that order) when given, else
     the whole suite.  Returns "passed", "failed [by TEST]" or "error: ..."."""
     env = dict(os.environ, **{SEEDS_ENV: str(seeds)})
-    arguments = ["-q", "-x", "-rf", "-m", "sim", "-p", "no:cacheprovider",
-                 *(tests or SUITES[module])]
+    native = module in NATIVE_SUITES
+    arguments = ["-q", "-x", "-rf", "-m", NATIVE_MARKERS if native else "sim",
+                 "-p", "no:cacheprovider",
+                 *(tests or (NATIVE_SUITES[module][1] if native else SUITES[module]))]
     with tempfile.TemporaryDirectory(prefix="tract-mutant-") as scratch:
         if site is None:
             command = [sys.executable, "-m", "pytest", *arguments]
+        elif native:
+            failed = _native_overlay(site, Path(scratch))
+            if failed:
+                return f"error: {failed}"
+            target = NATIVE_SUITES[module][0] or \
+                "tract." + module.removeprefix("tract/").removesuffix(".py").replace("/", ".")
+            # a fresh Numba cache: the mutated kernel is compiled, never loaded
+            env["NUMBA_CACHE_DIR"] = str(Path(scratch) / "numba-cache")
+            command = [sys.executable, "-c", _RUNNER.format(
+                overlay=scratch, module=target, arguments=arguments)]
         else:
             _overlay(site, Path(scratch))
             command = [sys.executable, "-c", _RUNNER.format(
@@ -290,8 +451,8 @@ def run_mutant(site: Site | None, module: str, root: Path, seeds: int,
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tract.testing.mutants",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--module", action="append", choices=sorted(SUITES),
-                        help="protocol module to mutate (default: all)")
+    parser.add_argument("--module", action="append", choices=sorted(SUITES) + sorted(NATIVE_SUITES),
+                        help="protocol module or native source to mutate (default: all)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--seeds", type=int, default=200,
                         help="simulator seeds per test for each mutant (default 200)")
@@ -305,9 +466,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--root", type=Path, default=Path.cwd(),
                         help="repository root holding the tests (default: .)")
     args = parser.parse_args(argv)
-    modules = args.module or sorted(SUITES)
+    chosen = args.module or sorted(SUITES) + sorted(NATIVE_SUITES)
+    modules = [module for module in chosen if module in SUITES]
+    natives = [source for source in chosen if source in NATIVE_SUITES]
 
-    every = [site for module in modules for site in sites(module)]
+    every = [site for module in modules for site in sites(module)] + \
+        [site for source in natives for site in native_sites(source)]
     suites: dict[tuple[str, ...], list[str]] = {}
     for module in modules:  # tract.lock and tract.lease share one suite
         suites.setdefault(tuple(SUITES[module]), []).append(module)
@@ -338,6 +502,11 @@ def main(argv: list[str] | None = None) -> int:
                 lines.update(future.result()[1])
         selections: list[list[str] | None] = []
         for site in every:
+            if site.module in NATIVE_SUITES:  # no coverage of native code: the twin suite
+                first = killers.get(_site_key(site))
+                selections.append([first, *NATIVE_SUITES[site.module][1]] if first and
+                                  not args.full else None)
+                continue
             if args.full:
                 selections.append(None)
                 continue
@@ -376,7 +545,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        print(f"{len(every)} sites in {', '.join(modules)}: {killed} killed, "
+        print(f"{len(every)} sites in {', '.join(chosen)}: {killed} killed, "
               f"{len(survivors)} survived, {len(errors)} errors "
               f"({'every test' if args.full else 'covering tests only'}; "
               f"{len(uncovered)} sites uncovered, run against their whole suite)")
