@@ -69,7 +69,7 @@ mutants: $(STAMP)
 	$(TIER) mutants -- $(PY) -m tract.testing.mutants $(MUTANTS_FROM)
 
 mutants-full: $(STAMP)
-	$(TIER) mutants-full -- $(PY) -m tract.testing.mutants --full
+	$(TIER) mutants-full -- $(PY) -m tract.testing.mutants --full --moves
 
 # The engines' environments (tests/engine_envs.py holds their
 # specifications): built with uv, each in

@@ -27,6 +27,7 @@ BENCHMARKS = {
     "incoherent": "tract.testing.bench_incoherent",  # the simulator's own
     "lock": "tract.bench.lock",
     "region": "tract.bench.region",
+    "trace": "tract.bench.trace",
     "transfer": "tract.bench.transfer",
 }
 

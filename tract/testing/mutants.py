@@ -11,7 +11,7 @@ tests still pass *survives*, which means that call is either unneeded or
 untested — either way a finding.
 
     python -m tract.testing.mutants [--json] [--module M] [--seeds N] [--jobs J] [--full]
-                                    [--coverage FILE]
+                                    [--coverage FILE] [--moves]
 
 exits non-zero when any mutant survives (or a run errs), and with ``--json``
 prints ``{"sites": n, "killed": k, "survivors": [{"module", "line", "kind"}]}``.
@@ -44,6 +44,11 @@ header mutant, the extension that uses those primitives); a kernel mutant
 is a mutated ``.py``.  Each runs its native suite (`NATIVE_SUITES`: the twin
 tests, which hold the fast path to its reference by result, bytes and
 cache-control trace), the test that killed it last time first.
+
+*Moves.*  Besides deletions, each fence that follows a statement of its
+block is moved before that statement (a fence before the flush or store it
+should order): always for native sites, and with ``--moves`` for the Python
+modules (``make mutants-full``).
 """
 
 from __future__ import annotations
@@ -61,6 +66,8 @@ import sys
 import tempfile
 import types
 from pathlib import Path
+
+from tract.bench.trace import build_extension
 
 __all__ = ["NATIVE_SUITES", "SUITES", "SYNC_CALLS", "Site", "mutate", "native_mutant",
            "native_sites", "run_mutant", "sites"]
@@ -111,12 +118,13 @@ class Site:
     col: int
     kind: str
     function: str
+    mutation: str = "delete"  # or "move": the fence put before the statement it follows
 
     def as_dict(self) -> dict:
         source = self.module if "/" in self.module else \
             self.module.replace(".", "/") + ".py"
         return {"module": self.module, "file": source, "line": self.line, "kind": self.kind,
-                "function": self.function}
+                "function": self.function, "mutation": self.mutation}
 
 
 def _source(module: str) -> tuple[str, str]:
@@ -143,11 +151,49 @@ def _calls(tree: ast.AST):
     return sorted(found, key=lambda item: (item[0].lineno, item[0].col_offset))
 
 
-def sites(module: str) -> list[Site]:
-    """Every cache-control call site of ``module``, in source order."""
+def sites(module: str, moves: bool = False) -> list[Site]:
+    """Every cache-control call site of ``module``, in source order; with
+    ``moves``, also each fence that follows a statement in its block, as a
+    move of it before that statement."""
     _, source = _source(module)
-    return [Site(module, index, call.lineno, call.col_offset, call.func.attr, function)
-            for index, (call, function) in enumerate(_calls(ast.parse(source)))]
+    tree = ast.parse(source)
+    found = [Site(module, index, call.lineno, call.col_offset, call.func.attr, function)
+             for index, (call, function) in enumerate(_calls(tree))]
+    if moves:
+        found += [Site(module, site.index, site.line, site.col, site.kind, site.function, "move")
+                  for site, (call, _) in zip(found, _calls(tree))
+                  if site.kind in FENCES and _previous_statement(tree, call) is not None]
+    return found
+
+
+FENCES = ("fence", "store_fence", "load_fence", "tract_fence", "tract_store_fence",
+          "tract_load_fence")
+
+
+def _previous_statement(tree: ast.AST, call: ast.Call):
+    """(body, position) of the statement before the one that is ``call``,
+    in the same block; None when ``call`` is not a statement or is first."""
+    for node in ast.walk(tree):
+        for field in ("body", "orelse", "finalbody"):
+            body = getattr(node, field, None)
+            if not isinstance(body, list):
+                continue
+            for position, statement in enumerate(body):
+                if isinstance(statement, ast.Expr) and statement.value is call:
+                    before = body[position - 1] if position else None
+                    docstring = isinstance(before, ast.Expr) and \
+                        isinstance(before.value, ast.Constant) and isinstance(before.value.value, str)
+                    return None if before is None or docstring else (body, position)
+    return None
+
+
+def _mutated(tree: ast.AST, site: Site, call: ast.Call) -> ast.AST:
+    """``tree`` with ``site`` applied to ``call``: deleted, or moved up one statement."""
+    if site.mutation == "move":
+        body, position = _previous_statement(tree, call)
+        body[position - 1], body[position] = body[position], body[position - 1]
+        return tree
+    return ast.fix_missing_locations(_Remove(call).visit(tree))
 
 
 class _Remove(ast.NodeTransformer):
@@ -170,7 +216,7 @@ def mutate(site: Site) -> types.ModuleType:
     path, source = _source(site.module)
     tree = ast.parse(source)
     call, _ = _calls(tree)[site.index]
-    tree = ast.fix_missing_locations(_Remove(call).visit(tree))
+    tree = _mutated(tree, site, call)
     module = types.ModuleType(site.module)
     module.__file__ = path
     module.__package__ = site.module.rpartition(".")[0]
@@ -203,7 +249,7 @@ def _overlay(site: Site, directory: Path) -> Path:
         target = directory / Path(path).name
     tree = ast.parse(source)
     call, _ = _calls(tree)[site.index]
-    target.write_text(ast.unparse(ast.fix_missing_locations(_Remove(call).visit(tree))))
+    target.write_text(ast.unparse(_mutated(tree, site, call)))
     return target
 
 
@@ -285,11 +331,45 @@ def native_sites(path: str) -> list[Site]:
     source order; ``module`` is the path from the repository root."""
     if path.endswith(".py"):
         tree = ast.parse(_repository_file(path).read_text())
-        return [Site(path, index, call.lineno, call.col_offset, call.func.id, function)
-                for index, (call, function) in enumerate(_kernel_calls(tree))]
-    text = _repository_file(path).read_text()
-    return [Site(path, index, text.count("\n", 0, start) + 1, 0, call, function)
-            for index, (start, _, call, function) in enumerate(_native_calls(path))]
+        calls = _kernel_calls(tree)
+        found = [Site(path, index, call.lineno, call.col_offset, call.func.id, function)
+                 for index, (call, function) in enumerate(calls)]
+        movable = [_previous_statement(tree, call) is not None for call, _ in calls]
+    else:
+        text = _repository_file(path).read_text()
+        calls = _native_calls(path)
+        found = [Site(path, index, text.count("\n", 0, start) + 1, 0, call, function)
+                 for index, (start, _, call, function) in enumerate(calls)]
+        movable = [_previous_lines(text, start) is not None for start, _, _, _ in calls]
+    return found + [dataclasses.replace(site, mutation="move") for site, can in
+                    zip(found, movable) if can and site.kind in FENCES]
+
+
+def _previous_lines(text: str, start: int) -> tuple[int, int] | None:
+    """For the statement line holding ``start``: the span of the statement
+    before it in the same block (by indentation, with its own block and
+    continuation lines), or None when it is the first of its block or
+    shares its line with other code."""
+    line_start = text.rfind("\n", 0, start) + 1
+    indent = start - line_start
+    if text[line_start:start].strip():
+        return None  # `if x: fence()` and the like
+    at = line_start
+    while at > 0:
+        previous = text.rfind("\n", 0, at - 1) + 1
+        line = text[previous:at]
+        stripped = line.strip()
+        depth = len(line) - len(line.lstrip())
+        at = previous
+        if not stripped or stripped.startswith(("#", "/*", "*", "//")):
+            continue
+        if depth < indent:
+            return None
+        if depth > indent or stripped.startswith(("else", "elif", "}", "cdef ", '"', "'")):
+            continue  # inside the statement (its block, a continuation), or no statement
+            # (a declaration, a docstring: nothing to order)
+        return previous, line_start
+    return None
 
 
 def _kernel_calls(tree: ast.AST):
@@ -313,23 +393,14 @@ def native_mutant(site: Site) -> str:
     if site.module.endswith(".py"):
         tree = ast.parse(text)
         call, _ = _kernel_calls(tree)[site.index]
-        return ast.unparse(ast.fix_missing_locations(_Remove(call).visit(tree)))
+        return ast.unparse(_mutated(tree, site, call))
     start, end, _, _ = _native_calls(site.module)[site.index]
+    if site.mutation == "move":
+        before, line_start = _previous_lines(text, start)
+        line_end = text.index("\n", end) + 1
+        return text[:before] + text[line_start:line_end] + text[before:line_start] + \
+            text[line_end:]
     return text[:start] + ("(void)0" if site.module.endswith(".h") else "pass") + text[end:]
-
-
-_BUILD = """
-import sys
-import numpy
-from Cython.Build import cythonize
-from setuptools import Extension, setup
-sys.argv = ["setup.py", "-q", "build_ext", "--inplace"]
-name = {extension!r}
-source = "tract/_native/" + name.rpartition(".")[2] + ".pyx"
-setup(ext_modules=cythonize([Extension(name, [source], include_dirs=["tract/_native", numpy.get_include()],
-      define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")], extra_compile_args=["-O2"])],
-      language_level=3, quiet=True, force=True))
-"""
 
 
 def _native_overlay(site: Site, directory: Path) -> str | None:
@@ -343,11 +414,8 @@ def _native_overlay(site: Site, directory: Path) -> str | None:
     extension, _ = NATIVE_SUITES[site.module]
     if extension is None:
         return None
-    done = subprocess.run([sys.executable, "-c", _BUILD.format(extension=extension)],
-                          cwd=directory, capture_output=True, text=True, timeout=600)
-    if done.returncode:
-        return f"build failed: {(done.stdout + done.stderr)[-400:]}"
-    return None
+    failed = build_extension(directory, extension)
+    return f"build failed: {failed[-400:]}" if failed else None
 
 
 def coverage_map(suite: tuple[str, ...], modules: list[str], root: Path, seeds: int,
@@ -403,7 +471,8 @@ def _killers_file() -> Path:
 
 
 def _site_key(site: Site) -> str:
-    return f"{site.module}:{site.function}:{site.kind}:{site.line}"
+    move = ":move" if site.mutation == "move" else ""
+    return f"{site.module}:{site.function}:{site.kind}:{site.line}{move}"
 
 
 def run_mutant(site: Site | None, module: str, root: Path, seeds: int,
@@ -463,6 +532,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="coverage data of a passed run of every simulated test at these "
                              "seeds, one context per test (make test's pytest-sim tier): the "
                              "map is read from it instead of running each suite unmutated")
+    parser.add_argument("--moves", action="store_true",
+                        help="also move each fence of the Python modules before the statement "
+                             "it follows (native fences are always moved too)")
     parser.add_argument("--root", type=Path, default=Path.cwd(),
                         help="repository root holding the tests (default: .)")
     args = parser.parse_args(argv)
@@ -470,7 +542,7 @@ def main(argv: list[str] | None = None) -> int:
     modules = [module for module in chosen if module in SUITES]
     natives = [source for source in chosen if source in NATIVE_SUITES]
 
-    every = [site for module in modules for site in sites(module)] + \
+    every = [site for module in modules for site in sites(module, args.moves)] + \
         [site for source in natives for site in native_sites(source)]
     suites: dict[tuple[str, ...], list[str]] = {}
     for module in modules:  # tract.lock and tract.lease share one suite
@@ -554,7 +626,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"in {site['function']}")
         for survivor in survivors:
             print(f"  SURVIVED {survivor['module']}:{survivor['line']} {survivor['kind']} "
-                  f"in {survivor['function']}")
+                  f"in {survivor['function']} ({survivor['mutation']})")
         for error in errors:
             print(f"  ERROR {error}")
     return 1 if survivors or errors else 0
