@@ -249,3 +249,31 @@ def test_the_scan_called_through_its_address_matches_the_twin():
         pointer = words.ctypes.data_as(ctypes.POINTER(ctypes.c_uint64))
         assert scan(pointer, words.size, nbits, count, start) == \
             naive.first_free_run(words, nbits, count, start)
+
+
+def test_an_extent_across_bitmap_lines_is_freed_as_the_reference_frees_it(pool_path):
+    """An extent whose bits span two bitmap lines (512 chunks a line): the
+    second line's bits are dropped with the tail records, fenced, then read."""
+    Pool.create(pool_path, 1100 << 13, chunk_size=1 << 13, max_nodes=MAX_NODES, lease_timeout=5.0,
+                lock_mode="manager")
+    with Pool.open(pool_path, 1, manager=True) as wide:
+        allocator = wide.allocator
+        assert allocator.nchunks > 512 + 8
+        below = allocator.alloc_chunks(500)
+        first = allocator.alloc_chunks(30)  # chunks 500..529: across bit 512
+        assert first < 512 < first + 30
+        state = _snapshot(wide)
+
+        def native(lock):
+            return allocator.fast.free(first, HEAD, lock.fast)
+
+        def reference(lock):
+            count = allocator._extent(first, HEAD)
+            lock.check()
+            allocator._release(first, count)
+            return count
+
+        (fast, _), (ref, _) = _run_both(wide, state, native, reference,
+                                        "tract._native._allocfast.ChunkFastPath.free")
+        assert fast == ref == 30
+        allocator.free_chunks(below)

@@ -87,15 +87,18 @@ SUITES: dict[str, list[str]] = {
     "tract.stats": ["tests/test_stats.py"],
 }
 
+REGION_TESTS = ["tests/test_region.py::test_the_trace_records_each_primitive_of_its_own_thread",
+                "tests/test_region.py::test_native_copies_trace_what_the_simulator_models",
+                "tests/test_region.py::test_block_copies_move_exactly_their_bytes"]
 # native source -> (the extension a mutant rebuilds or None, its twin tests)
 NATIVE_SUITES: dict[str, tuple[str | None, list[str]]] = {
     "tract/_native/_allocfast.pyx": ("tract._native._allocfast",
                                      ["tests/test_alloc_fast.py", "tests/test_twins.py"]),
     "tract/_native/_lockfast.pyx": ("tract._native._lockfast", ["tests/test_lock_fast.py"]),
     "tract/_native/_region.pyx": ("tract._native._region",
-                                  ["tests/test_region.py", "tests/test_twins.py",
+                                  [*REGION_TESTS, "tests/test_twins.py",
                                    "tests/test_index_fast.py"]),
-    "tract/_native/_cachectl.h": ("tract._native._region", ["tests/test_region.py"]),
+    "tract/_native/_cachectl.h": ("tract._native._region", REGION_TESTS),
     "tract/_kernels/indexfast.py": (None, ["tests/test_index_fast.py"]),
 }
 NATIVE_CALLS = ("tract_lines", "tract_fence", "tract_store_fence", "tract_load_fence")
@@ -410,6 +413,10 @@ def _native_overlay(site: Site, directory: Path) -> str | None:
     package = _repository_file("tract")
     shutil.copytree(package, directory / "tract",
                     ignore=shutil.ignore_patterns("__pycache__", "*.c", "*.html"))
+    kernels = package / "_kernels" / "__pycache__"
+    if kernels.is_dir():  # the compiled kernels (their sources' stamps kept): only the
+        shutil.copytree(kernels, directory / "tract" / "_kernels" / "__pycache__")  # mutated
+        # kernel, whose stamp differs, is compiled again
     (directory / site.module).write_text(native_mutant(site))
     extension, _ = NATIVE_SUITES[site.module]
     if extension is None:
@@ -494,8 +501,7 @@ def run_mutant(site: Site | None, module: str, root: Path, seeds: int,
                 return f"error: {failed}"
             target = NATIVE_SUITES[module][0] or \
                 "tract." + module.removeprefix("tract/").removesuffix(".py").replace("/", ".")
-            # a fresh Numba cache: the mutated kernel is compiled, never loaded
-            env["NUMBA_CACHE_DIR"] = str(Path(scratch) / "numba-cache")
+            env.pop("NUMBA_CACHE_DIR", None)  # the overlay's own (see _native_overlay)
             command = [sys.executable, "-c", _RUNNER.format(
                 overlay=scratch, module=target, arguments=arguments)]
         else:
