@@ -290,8 +290,9 @@ def test_the_trace_records_each_primitive_of_its_own_thread(region):
     instruction, and every fence, in order; nothing of another thread,
     nothing while off; an overflow is an error, not a short trace."""
     control = region.cache_control
-    flush, invalidate, payload = (INSTRUCTIONS[name] for name in
-                                  (control.flush, control.invalidate, control.payload))
+    flush, invalidate, payload, writeback = (
+        INSTRUCTIONS[name] for name in
+        (control.flush, control.invalidate, control.payload, control.writeback))
     region.flush(0, 64)  # off: nothing recorded
     region.trace_start(64)
     with pytest.raises(RuntimeError, match="already on"):
@@ -306,12 +307,13 @@ def test_the_trace_records_each_primitive_of_its_own_thread(region):
     other.start()
     other.join()
     region.flush_lines(numpy.array([192], dtype=numpy.int64))
+    region.writeback(260, 10)
     region.load_fence()
     region.flush(0, 0)
     assert region.trace_stop().tolist() == [
         [flush, 64], [flush, 128], [TRACE_FENCE, -1], [payload, 4096],
         [invalidate, 128], [invalidate, 64], [TRACE_STORE_FENCE, -1], [flush, 192],
-        [TRACE_LOAD_FENCE, -1]]
+        [writeback, 256], [TRACE_LOAD_FENCE, -1]]
     with pytest.raises(RuntimeError, match="no cache-control trace is on"):
         region.trace_stop()
     region.trace_start(3)

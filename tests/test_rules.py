@@ -135,3 +135,20 @@ def test_every_registered_twin_is_held_to_its_reference_by_a_test():
                      if "twins.check" in path.read_text() or "twins.run" in path.read_text())
     unchecked = [name for name in twins.TWINS if f'"{name}"' not in text]
     assert unchecked == []
+
+
+def test_shared_layout_constants_agree_on_both_sides():
+    """The line, the index entry and the owner record are each defined once
+    in C (`_cachectl.h`, the native modules) and once in Python; every
+    module that repeats one agrees with them."""
+    from tract import alloc, connector, index, lease, lock, pool
+    from tract._kernels import indexfast
+    from tract._native import _allocfast, _region
+    from tract.testing import incoherent, mailbox
+
+    lines = {module.__name__: module.LINE for module in
+             (lease, lock, connector, incoherent, mailbox, _region)}
+    lines["tract._native._allocfast"] = _allocfast.LINE_BYTES
+    assert set(lines.values()) == {64}, lines
+    assert index.ENTRY_BYTES == pool.INDEX_ENTRY_BYTES == indexfast.ENTRY == _region.LINE
+    assert alloc.OWNER_BYTES == _allocfast.OWNER_RECORD_BYTES

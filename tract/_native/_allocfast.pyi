@@ -1,6 +1,9 @@
 from tract._native._lockfast import ManagerFastPath
 from tract._native._region import Region
 
+LINE_BYTES: int
+OWNER_RECORD_BYTES: int
+
 class ChunkFastPath:
     def __init__(self, pool: Region, cursor_line: int, bitmap: int, bitmap_bytes: int,
                  owners: int, nchunks: int, max_nodes: int, scan_address: int) -> None: ...

@@ -59,6 +59,12 @@ cdef enum:
     PAYLOAD_OWNERS = 16  # record ranges longer than this are invalidated with the payload insn
 
 
+# the layout constants compiled in, for the rules test that holds them to
+# the Python definitions (tract.lease.LINE, tract.alloc.OWNER_BYTES)
+LINE_BYTES = LINE
+OWNER_RECORD_BYTES = OWNER_BYTES
+
+
 cdef class ChunkFastPath:
     """One pool's global-path metadata: the cursor line, the bitmap of
     ``nchunks`` bits and the owner records.  Offsets are checked here once;
