@@ -31,7 +31,7 @@ import numpy as np
 
 from tract._native._region import INSTRUCTIONS, TRACE_FENCE
 
-__all__ = ["NOT_STEPS", "TWINS", "UNPROVEN", "Outcome", "Twin", "batches", "both", "check",
+__all__ = ["INSTRUCTIONS", "NOT_STEPS", "TWINS", "UNPROVEN", "Outcome", "Twin", "batches", "both", "check",
            "compose", "drop_refetch", "hoist_reads", "merge_into_first", "run", "twin"]
 
 

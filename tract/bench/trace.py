@@ -3,24 +3,23 @@ off (DESIGN.md §5; issue "fast twins, checked").
 
 The mapping's extension is built twice from this checkout's sources into a
 scratch directory: as shipped, and with ``TRACT_CACHECTL_NO_TRACE`` (the
-hook compiled out).  Each round runs one fresh process per build, in
-alternating order (A B, B A, ...), and each measures
+hook compiled out).  One process loads both, maps one file through each,
+and measures them in pairs, alternating which goes first (A B, B A, ...):
 
 - the store + flush + fence round trip on one line, natively (the
   primitive every metadata step is made of);
 - `Region.copy_in_blocks` of 64 blocks of 4 KiB at unaligned offsets (a
   streaming copy with partial-line write-backs per block, one store fence).
 
-The figure is the median over rounds of the paired ratio (the build without
-the hook's time / the shipped build's: 1.0 is no cost, higher is better),
-with the range.  Needs Cython and a C compiler (a development checkout).
+The figure is the median of the paired ratios (the build without the
+hook's time / the shipped build's: 1.0 is no cost, higher is better), with
+the lowest and highest pair.  Needs Cython and a C compiler (a development checkout).
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -57,41 +56,63 @@ def build_extension(root: Path, extension: str, macros: tuple[tuple[str, str], .
 
 
 _WORKER = """
-import importlib.machinery, importlib.util, sys, time
-spec = importlib.util.spec_from_file_location(
-    "tract._native._region", {library!r},
-    loader=importlib.machinery.ExtensionFileLoader("tract._native._region", {library!r}))
-module = importlib.util.module_from_spec(spec)
-sys.modules["tract._native._region"] = module
-spec.loader.exec_module(module)
+import importlib.machinery, importlib.util, os, statistics, sys, time
 import numpy
-from tract.region import scratch_region
-region = scratch_region(8 << 20, name="bench-trace", populate=True)
-round_trip = min(region.time_round_trip(0, {iterations}) for _ in range(5))
+from tract import platform
+
+def load(path):
+    loader = importlib.machinery.ExtensionFileLoader("tract._native._region", path)
+    spec = importlib.util.spec_from_file_location("tract._native._region", path, loader=loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+builds = {{name: load(path) for name, path in {libraries!r}.items()}}
+control = platform.cache_control(None, "none")
+path = "/dev/shm/tract-bench-trace-%d" % os.getpid()
+fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+os.ftruncate(fd, 8 << 20)
+regions = {{name: module.map_fd(fd, 8 << 20, 0, path, "file", control, True)
+           for name, module in builds.items()}}
+os.close(fd)
+os.unlink(path)
 offsets = numpy.arange(64, dtype=numpy.int64) * 8192 + 4096 + 24
 sources = [numpy.full(4096, i, dtype=numpy.uint8) for i in range(64)]
-region.copy_in_blocks(offsets, sources)
-best = float("inf")
-for _ in range({copies}):
+
+def copies(region):
     start = time.perf_counter()
     for _ in range(20):
         region.copy_in_blocks(offsets, sources)
-    best = min(best, (time.perf_counter() - start) / 20)
-region.close()
-print(round_trip, best * 1e9)
+    return time.perf_counter() - start
+
+figures = {{"round_trip": lambda region: region.time_round_trip(0, {iterations}),
+           "copy_in_blocks": copies}}
+ratios = {{figure: [] for figure in figures}}
+for figure, measure in figures.items():
+    for region in regions.values():
+        measure(region)  # warm up
+    for pair in range({pairs}):
+        order = ["traced", "untraced"] if pair % 2 == 0 else ["untraced", "traced"]
+        times = {{name: measure(regions[name]) for name in order}}
+        ratios[figure].append(times["untraced"] / times["traced"])
+for figure, values in ratios.items():
+    print(figure, statistics.median(values), min(values), max(values))
 """
 
 
-def _measure(library: Path, quick: bool) -> tuple[float, float]:
+def _measure(libraries: dict[str, Path], quick: bool) -> dict[str, tuple[float, float, float]]:
     done = subprocess.run(
-        [sys.executable, "-c", _WORKER.format(library=str(library),
-                                              iterations=20000 if quick else 100000,
-                                              copies=5 if quick else 20)],
+        [sys.executable, "-c", _WORKER.format(
+            libraries={name: str(path) for name, path in libraries.items()},
+            iterations=2000 if quick else 5000, pairs=40 if quick else 400)],
         capture_output=True, text=True, timeout=600)
     if done.returncode:
         raise RuntimeError(f"trace bench worker failed: {done.stderr[-800:]}")
-    round_trip, copies = done.stdout.split()
-    return float(round_trip), float(copies)
+    out = {}
+    for line in done.stdout.splitlines():
+        figure, *values = line.split()
+        out[figure] = tuple(float(value) for value in values)
+    return out
 
 
 def run(quick: bool = False) -> list[Result]:
@@ -109,19 +130,13 @@ def run(quick: bool = False) -> list[Result]:
             if failed:
                 raise RuntimeError(f"building the {name} mapping failed:\n{failed}")
             libraries[name] = next((root / "tract" / "_native").glob("_region*.so"))
-        ratios: dict[str, list[float]] = {"round_trip": [], "copy_in_blocks": []}
-        for round_ in range(5 if quick else 11):
-            order = ["traced", "untraced"] if round_ % 2 == 0 else ["untraced", "traced"]
-            times = {name: _measure(libraries[name], quick) for name in order}
-            for index, figure in enumerate(ratios):
-                ratios[figure].append(times["untraced"][index] / times["traced"][index])
+        paired = _measure(libraries, quick)
     results = []
-    for figure, values in ratios.items():
-        results.append(Result(f"{figure}[hook off / no hook, median]", statistics.median(values),
-                              "ratio (no-hook time / hook-off time)", True))
-        results.append(Result(f"{figure}[range]", min(values), "lowest paired ratio", True))
-        results.append(Result(f"{figure}[range high]", max(values), "highest paired ratio",
-                              True))
+    for figure, (median, low, high) in paired.items():
+        results.append(Result(f"{figure}[no hook / hook off, median of pairs]", median,
+                              "paired time ratio (1.0: no cost)", True))
+        results.append(Result(f"{figure}[lowest pair]", low, "paired time ratio", True))
+        results.append(Result(f"{figure}[highest pair]", high, "paired time ratio", True))
     return results
 
 
