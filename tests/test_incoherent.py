@@ -312,7 +312,8 @@ def test_harness_reports_a_surviving_mutant(tmp_path, monkeypatch, capsys):
     assert code == 1
     assert report["sites"] == 3 and report["killed"] == 1  # the flush
     assert report["survivors"] == [  # either fence alone suffices
-        {"module": "redundant_protocol", "line": line, "kind": "fence", "function": "publish"}
+        {"module": "redundant_protocol", "file": "redundant_protocol.py", "line": line,
+         "kind": "fence", "function": "publish", "mutation": "delete"}
         for line in (4, 5)]
 
 
