@@ -137,16 +137,24 @@ def _source(module: str) -> tuple[str, str]:
     return spec.origin, Path(spec.origin).read_text()
 
 
-def _calls(tree: ast.AST):
-    """(call node, enclosing function name) for every sync call, in source order."""
+def _calls(tree: ast.AST, kernel: bool = False):
+    """(call node, enclosing function name) for every sync call, in source
+    order: ``region.flush(...)`` and the like, or, with ``kernel``, the
+    ``lines(...)`` / ``fence()`` calls of a Numba kernel module."""
     found = []
+
+    def wanted(node: ast.AST) -> bool:
+        if not isinstance(node, ast.Call):
+            return False
+        if kernel:
+            return isinstance(node.func, ast.Name) and node.func.id in KERNEL_CALLS
+        return isinstance(node.func, ast.Attribute) and node.func.attr in SYNC_CALLS
 
     def visit(node: ast.AST, function: str) -> None:
         for child in ast.iter_child_nodes(node):
             name = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) \
                 else function
-            if isinstance(child, ast.Call) and isinstance(child.func, ast.Attribute) \
-                    and child.func.attr in SYNC_CALLS:
+            if wanted(child):
                 found.append((child, function))
             visit(child, name)
 
@@ -334,7 +342,7 @@ def native_sites(path: str) -> list[Site]:
     source order; ``module`` is the path from the repository root."""
     if path.endswith(".py"):
         tree = ast.parse(_repository_file(path).read_text())
-        calls = _kernel_calls(tree)
+        calls = _calls(tree, kernel=True)
         found = [Site(path, index, call.lineno, call.col_offset, call.func.id, function)
                  for index, (call, function) in enumerate(calls)]
         movable = [_previous_statement(tree, call) is not None for call, _ in calls]
@@ -375,27 +383,12 @@ def _previous_lines(text: str, start: int) -> tuple[int, int] | None:
     return None
 
 
-def _kernel_calls(tree: ast.AST):
-    found = []
-
-    def visit(node: ast.AST, function: str) -> None:
-        for child in ast.iter_child_nodes(node):
-            name = child.name if isinstance(child, ast.FunctionDef) else function
-            if isinstance(child, ast.Call) and isinstance(child.func, ast.Name) \
-                    and child.func.id in KERNEL_CALLS:
-                found.append((child, function))
-            visit(child, name)
-
-    visit(tree, "<module>")
-    return sorted(found, key=lambda item: (item[0].lineno, item[0].col_offset))
-
-
 def native_mutant(site: Site) -> str:
     """The source of ``site.module`` with that one call removed."""
     text = _repository_file(site.module).read_text()
     if site.module.endswith(".py"):
         tree = ast.parse(text)
-        call, _ = _kernel_calls(tree)[site.index]
+        call, _ = _calls(tree, kernel=True)[site.index]
         return ast.unparse(_mutated(tree, site, call))
     start, end, _, _ = _native_calls(site.module)[site.index]
     if site.mutation == "move":
