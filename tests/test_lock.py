@@ -14,8 +14,10 @@ import pytest
 
 from tract.errors import ConfigError, CorruptionError, LeaseLost, LockTimeout
 from simnodes import heartbeat
+from tract.lock import SLOT_BYTES, Cohort, Lock
 from tract.pool import Pool, format_pool
-from tract.testing.incoherent import LINE, SimPool, SimulationFailure
+from tract.testing.incoherent import (LINE, SimMutex, SimNodeLocal, SimPool,
+                                     SimulationFailure)
 
 SEEDS = int(os.environ.get("TRACT_SIM_SEEDS", "200"))
 SIM_LEASE = 0.004  # virtual seconds: 4000 simulated operations
@@ -140,6 +142,130 @@ def test_corrupt_grant_line_is_refused():
     pool.memory[line:line + 8] = 0xFF
     with pytest.raises(CorruptionError, match="manager line at offset"):
         handle.lock("alloc").acquire(timeout=0.001)
+
+
+# ------------------------------------------------------ cohorting, simulated
+
+class _CountingCohort(Cohort):
+    """A cohort that counts how its holds came: announced or handed over."""
+
+    def __init__(self, *args, **options):
+        super().__init__(*args, **options)
+        self.announced = self.taken = 0
+
+    def attempt(self):
+        self.announced += 1
+        return super().attempt()
+
+    def acquire(self, timeout=None):
+        outcome = super().acquire(timeout)
+        self.taken += 1
+        return outcome
+
+
+def run_cohort(seed, bound=3, rounds=4, chaos=0.2, die=None):
+    """Node 0 runs two processes (threads of one host sharing its node-local
+    slot and tier-1 mutex: `Cohort`, the reference of the native fast path),
+    node 1 one; each adds ``rounds`` to a non-atomic counter under the lock,
+    node 0 also runs the manager.  ``die``: the round in which node 0's first
+    process dies holding the lock (its node lives on).  Checks mutual
+    exclusion, the exact count, that every process finishes (node 1 is not
+    starved: the bound), and returns the cohorts."""
+    pool = _sim_pool(seed, 2, "manager", chaos)
+    inside: list[int] = []
+    workers = [(0, 0), (0, 1), (1, 0)]
+    finished = [False] * len(workers)
+    handles, cohorts = {}, {}
+    slot = SimNodeLocal(pool, 0, SLOT_BYTES), SimMutex(pool)
+
+    def worker(which):
+        node, process = workers[which]
+
+        def body(host):
+            if process == 0:  # the node joins once; its other process shares the handle
+                handles[node] = Pool(host, node, clock=pool.clock, heartbeat=False,
+                                     local_locks=False)
+            while node not in handles:
+                pool.clock.sleep(SIM_LEASE / 8)
+            handle = handles[node]
+            index = handle._names["alloc"]
+            if node == 0:
+                local, mutex = slot
+                cohort = cohorts[which] = _CountingCohort(handle.space, index, "alloc", local, 0,
+                                                          mutex, bound)
+                lock = Lock(handle.space, "manager", index, "alloc", mutex, cohort)
+            else:
+                lock = handle.lock("alloc")
+            counter = _counter(handle)
+            for round_ in range(rounds):
+                lock.acquire()
+                inside.append(which)
+                if len(inside) > 1:
+                    raise AssertionError(f"processes {inside} inside the lock at once")
+                host.invalidate(counter, 8)
+                host.fence()
+                host.store_u64(counter, host.load_u64(counter) + 1)
+                lock.check()
+                host.flush(counter, 8)
+                if die == round_ and which == 0:
+                    host.fence()
+                    inside.remove(which)
+                    finished[which] = True
+                    return "died"  # holding tier 1 and tier 2: the next local taker repairs
+                inside.remove(which)
+                lock.release()
+            finished[which] = True
+        return body
+
+    def beats(node):
+        def body(host):
+            while node not in handles:
+                pool.clock.sleep(SIM_LEASE / 8)
+            while not all(finished[w] for w, (n, _) in enumerate(workers) if n == node):
+                handles[node].nodes.beat(node)
+                pool.clock.sleep(SIM_LEASE / 8)
+        return body
+
+    def manager(host):
+        while 0 not in handles:
+            pool.clock.sleep(SIM_LEASE / 8)
+        granting = handles[0].manager()
+        while not all(finished):
+            pool.clock.sleep(SIM_LEASE / 256 if granting.step() else SIM_LEASE / 16)
+
+    threads = [(node, worker(which)) for which, (node, _) in enumerate(workers)]
+    threads += [(0, beats(0)), (1, beats(1)), (0, manager)]
+    pool.run(*threads)
+    counter = _counter(handles[0])
+    value = int.from_bytes(pool.memory[counter:counter + 8].tobytes(), "little")
+    expected = len(workers) * rounds - (0 if die is None else rounds - 1 - die)
+    if pool.lost_updates:
+        raise SimulationFailure(f"lost update at {pool.lost_updates[0].line_offset}", seed)
+    if value != expected:
+        raise SimulationFailure(f"counter is {value}, expected {expected}", seed)
+    return cohorts
+
+
+@pytest.mark.sim
+def test_cohorting_hands_the_grant_over_locally_and_stays_exact():
+    handed = 0
+    for seed in range(max(1, SEEDS // 4)):
+        cohorts = run_cohort(seed)
+        handed += sum(cohort.taken - cohort.announced for cohort in cohorts.values())
+    assert handed > 0  # the local hand-off happened, not only the announced path
+
+
+@pytest.mark.sim
+def test_cohorting_repairs_a_process_that_died_holding_the_lock():
+    for seed in range(max(1, SEEDS // 8)):
+        run_cohort(seed, die=1)
+
+
+def test_the_cohort_bound_gives_the_grant_back():
+    """With a bound of 0 no hold is ever handed over."""
+    for seed in range(4):
+        cohorts = run_cohort(seed, bound=0)
+        assert all(cohort.taken == cohort.announced for cohort in cohorts.values())
 
 
 # ------------------------------------------------------------- native runs

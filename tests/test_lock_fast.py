@@ -15,8 +15,10 @@ import twins
 
 from tract._native import _lockfast
 from tract.errors import CorruptionError
-from tract.lock import COHORT_PASSES, GRANTED, NONE, REVOKING, grant_check
+from tract.lock import (COHORT_PASSES, GRANTED, HELD, NONE, PASSES, REVOKING, SLOT_BYTES,
+                        WAITERS, Cohort, grant_check)
 from tract.pool import Pool
+from tract.region import open_region
 
 NODE = 1
 MAX_NODES = 4
@@ -27,6 +29,16 @@ def pool(pool_path):
     Pool.create(pool_path, 1 << 20, lock_mode="manager", max_nodes=MAX_NODES, lease_timeout=0.5,
                 chunk_size=1 << 16)
     with Pool.open(pool_path, NODE) as handle:
+        yield handle
+
+
+@pytest.fixture
+def quiet(pool_path):
+    """A pool handle with no heartbeat thread (the heartbeat sweeps hand-offs
+    that stand still, which would race the cohort steps under test)."""
+    Pool.create(pool_path, 1 << 20, lock_mode="manager", max_nodes=MAX_NODES, lease_timeout=0.5,
+                chunk_size=1 << 16)
+    with Pool(open_region(pool_path), NODE, heartbeat=False) as handle:
         yield handle
 
 
@@ -117,6 +129,175 @@ def test_still_granted_and_release_match_the_reference(pool):
         _held_to("tract._native._lockfast.ManagerFastPath.repair", pool, index, state,
                  reference.release, fast.repair)
         assert fast.slot_words() == (0, 0, 0)
+
+
+# --------------------------------------------- cohorting: acquire, release, sweep
+
+class _Tier1:
+    """The lock's tier-1 mutex in a given state for one step: ``free``,
+    ``busy`` (another thread holds it throughout) or ``dead`` (its last
+    holder, a process, ended holding it)."""
+
+    def __init__(self, mutex, state):
+        self.mutex, self.state = mutex, state
+        self.taken, self.done = threading.Event(), threading.Event()
+        self.thread = None
+
+    def _hold(self):
+        if self.mutex.acquire():  # a dead holder left it: this one repairs nothing
+            self.mutex.consistent()
+        self.taken.set()
+        self.done.wait(30)
+        self.mutex.release()
+
+    def __enter__(self):
+        if self.state == "busy":
+            self.thread = threading.Thread(target=self._hold)
+            self.thread.start()
+            self.taken.wait(30)
+        elif self.state == "dead":
+            child = os.fork()
+            if child == 0:  # dies holding it (waitpid returns once the kernel marked it)
+                self.mutex.acquire()
+                os._exit(0)
+            os.waitpid(child, 0)
+        return self
+
+    def __exit__(self, *exc):
+        self.done.set()
+        if self.thread is not None:
+            self.thread.join(30)
+
+
+def _cohort_twin(pool, index, words, tier1, step, after):
+    """``step`` (of a `Cohort` or of the fast path) from the slot ``words``
+    (held, waiters, passes) with tier 1 in state ``tier1``; ``after`` puts
+    tier 1 back (the step may leave it held).  Result: the step's, its slot
+    words and the epoch and seq it leaves."""
+    local, slot = pool._local.region, index * SLOT_BYTES
+
+    def run():
+        for word, value in zip((HELD, WAITERS, PASSES), words):
+            local.store_u64(slot + word, value)
+        with _Tier1(pool._local.mutex(index), tier1):
+            try:
+                result = step()
+            except TimeoutError as error:
+                result = (TimeoutError, str(error).split(" still held")[0])
+            words_after = tuple(local.load_u64(slot + w) for w in (HELD, WAITERS, PASSES))
+            after(result)
+        return result, words_after
+    return run
+
+
+def _cohorts(pool):
+    lock = pool.lock("alloc")
+    index = pool._names["alloc"]
+    local = pool._local
+    reference = Cohort(pool.space, index, "alloc", local.region, index * SLOT_BYTES,
+                       local.mutex(index), COHORT_PASSES)
+    return index, reference, lock.fast, local.mutex(index)
+
+
+def _some_states():
+    """Every fourth pool state (256: the cohort steps read the grant line
+    only where `attempt` and `still_granted`, compared on all, do)."""
+    return itertools.islice(_states(), 0, None, 4)
+
+
+def test_cohort_acquire_matches_its_reference(quiet):
+    pool = quiet
+    index, reference, fast, mutex = _cohorts(pool)
+    name = "tract._native._lockfast.ManagerFastPath.acquire"
+
+    def put_back(result):
+        if result[0] == _lockfast.OWNER_DIED:
+            mutex.consistent()
+        if result[0] != TimeoutError:
+            mutex.release()
+
+    def acquire(side):
+        def step():
+            outcome = side.acquire(0.002)
+            return (outcome, side.epoch if outcome == _lockfast.ACQUIRED else None,
+                    side.seq if outcome == _lockfast.ANNOUNCED else None)
+        return step
+
+    compared = 0
+    for state in _some_states():
+        for words, tier1 in [((0, 0, 3), "free"), ((6, 0, 3), "free"), ((0, 0, 0), "dead"),
+                             ((9, 2, 1), "free")]:
+            _write(pool, index, state)
+            area = [(pool.layout.offset, pool.layout.nbytes)]
+            want, got = twins.both(pool.region, area,
+                                   _cohort_twin(pool, index, words, tier1, acquire(reference),
+                                                put_back),
+                                   _cohort_twin(pool, index, words, tier1, acquire(fast),
+                                                put_back))
+            twins.check(name, want, got, context=(state, words, tier1))
+            compared += 1
+    for words in [(0, 0, 0), (6, 0, 0)]:  # tier 1 stays busy: both time out, uncounted
+        want, got = twins.both(pool.region, [(pool.layout.offset, pool.layout.nbytes)],
+                               _cohort_twin(pool, index, words, "busy", acquire(reference),
+                                            put_back),
+                               _cohort_twin(pool, index, words, "busy", acquire(fast),
+                                            put_back))
+        twins.check(name, want, got, context=(words, "busy"))
+        assert want.result[0][0] == TimeoutError and want.result[1] == words
+    assert compared == 256 * 4
+
+
+def test_cohort_release_matches_its_reference(quiet):
+    pool = quiet
+    index, reference, fast, mutex = _cohorts(pool)
+    name = "tract._native._lockfast.ManagerFastPath.release"
+
+    def release(side):
+        def step():
+            mutex.acquire()  # a holder releases
+            return side.release()
+        return step
+
+    for state in _some_states():
+        for waiters, passes, epoch in itertools.product(
+                (0, 1), (0, 1, 8, COHORT_PASSES - 1, COHORT_PASSES), (5, 6)):
+            reference.epoch = fast.epoch = epoch
+            _write(pool, index, state)
+            words = (0, waiters, passes)
+            area = [(pool.layout.offset, pool.layout.nbytes)]
+            want, got = twins.both(pool.region, area,
+                                   _cohort_twin(pool, index, words, "free", release(reference),
+                                                lambda result: None),
+                                   _cohort_twin(pool, index, words, "free", release(fast),
+                                                lambda result: None))
+            twins.check(name, want, got, context=(state, words, epoch))
+            assert mutex.try_acquire() is False  # each released tier 1
+            mutex.release()
+
+
+def test_cohort_sweep_matches_its_reference(quiet):
+    pool = quiet
+    index, reference, fast, mutex = _cohorts(pool)
+    name = "tract._native._lockfast.ManagerFastPath.sweep"
+    seen = set()
+    for state in itertools.islice(_states(), 0, None, 16):
+        for held, tier1 in itertools.product((0, 6), ("free", "busy", "dead")):
+            _write(pool, index, state)
+            words = (held, 0, 3)
+            area = [(pool.layout.offset, pool.layout.nbytes)]
+            want, got = twins.both(pool.region, area,
+                                   _cohort_twin(pool, index, words, tier1, reference.sweep,
+                                                lambda result: None),
+                                   _cohort_twin(pool, index, words, tier1, fast.sweep,
+                                                lambda result: None))
+            twins.check(name, want, got, context=(state, words, tier1))
+            seen.add(want.result[0])
+            died = mutex.try_acquire()  # free again; still a dead holder's if nobody swept
+            assert died is False or (not held and tier1 == "dead")
+            if died:
+                mutex.consistent()
+            mutex.release()
+    assert seen == {True, False}
 
 
 def test_uncontended_acquire_takes_the_sticky_grant_natively(pool_path):

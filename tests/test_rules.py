@@ -152,3 +152,10 @@ def test_shared_layout_constants_agree_on_both_sides():
     assert set(lines.values()) == {64}, lines
     assert index.ENTRY_BYTES == pool.INDEX_ENTRY_BYTES == indexfast.ENTRY == _region.LINE
     assert alloc.OWNER_BYTES == _allocfast.OWNER_RECORD_BYTES
+    from tract._native import _lockfast
+    assert lock.SLOT_BYTES == pool.SLOT_BYTES == _lockfast.SLOT_BYTES
+    assert _lockfast.COHORT_WORDS == {"held": lock.HELD, "waiters": lock.WAITERS,
+                                      "passes": lock.PASSES}
+    assert lock.PASSES_PER_CHECK == _lockfast.CHECK_EVERY
+    assert (lock.ACQUIRED, lock.OWNER_DIED, lock.ANNOUNCED) == \
+        (_lockfast.ACQUIRED, _lockfast.OWNER_DIED, _lockfast.ANNOUNCED)

@@ -77,6 +77,11 @@ TWINS: dict[str, Twin] = {twin.fast: twin for twin in (
          "tract.lock.ManagedLock.still_granted",
          ("a torn line or a value out of range answers False for the reference to raise",)),
     Twin("tract._native._lockfast.ManagerFastPath.repair", "tract.lock.ManagedLock.release"),
+    Twin("tract._native._lockfast.ManagerFastPath.acquire", "tract.lock.Cohort.acquire",
+         ("a torn line or a value out of range is handed back (ANNOUNCED) for the reference "
+          "to raise",)),
+    Twin("tract._native._lockfast.ManagerFastPath.release", "tract.lock.Cohort.release"),
+    Twin("tract._native._lockfast.ManagerFastPath.sweep", "tract.lock.Cohort.sweep"),
     Twin("tract._native._region.Region.copy_in_blocks",
          "tract._native._region.Region.copy_in (non-temporal), per block",
          ("one store fence for the whole batch, not one per block",)),
@@ -96,14 +101,7 @@ NOT_STEPS: dict[str, str] = {
 
 #: fast entry points whose Python reference is not written yet; each is a
 #: defect (DESIGN.md §5) that tests/test_rules.py lists and allows to shrink only
-UNPROVEN: dict[str, str] = {
-    "tract._native._lockfast.ManagerFastPath.acquire":
-        "the cohort hand-off (tier 2 kept for a local waiter) has no Python step yet",
-    "tract._native._lockfast.ManagerFastPath.release":
-        "the cohort hand-off (tier 2 kept for a local waiter) has no Python step yet",
-    "tract._native._lockfast.ManagerFastPath.sweep":
-        "gives back a cohort hand-off nobody took: no Python step yet",
-}
+UNPROVEN: dict[str, str] = {}
 
 
 def twin(fast: str) -> Twin:

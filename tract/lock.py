@@ -63,12 +63,14 @@ import dataclasses
 import functools
 import typing
 
-from tract._native import _lockfast
+import numpy as np
+
 from tract.errors import ConfigError, CorruptionError, LeaseLost, LockTimeout
 from tract.lease import Backoff, Clock, Liveness, NodeTable
 from tract import _failpoints as faults
 
-__all__ = ["COHORT_PASSES", "LOCK_MODES", "Lock", "LockLayout", "LockManager", "LockSpace"]
+__all__ = ["COHORT_PASSES", "Cohort", "LOCK_MODES", "Lock", "LockLayout", "LockManager",
+           "LockSpace"]
 
 LINE = 64
 LOCK_MODES = ("manager", "bakery", "atomic")
@@ -429,6 +431,136 @@ class ManagedLock:
                             f"{self.epoch}) is gone: {grant}")
 
 
+# ---------------------------------------------------------------- cohorting
+
+#: a lock's slot in the node-local file: its tier-1 mutex's line, then the
+#: cohort line's words (byte offsets; `tract._native._lockfast` has the same)
+SLOT_BYTES = 128
+HELD, WAITERS, PASSES = 64, 72, 80
+PASSES_PER_CHECK = 8  # local hand-offs between two reads of the grant line
+ACQUIRED, OWNER_DIED, ANNOUNCED = 0, 1, 2  # what `Cohort.acquire` and `attempt` report
+_ONE, _MINUS_ONE = np.array([1], np.uint64), np.array([MASK64], np.uint64)
+
+
+class Cohort:
+    """Lock cohorting (DESIGN.md §3), step by step: the reference of the
+    native fast path `tract._native._lockfast.ManagerFastPath`, with the same
+    interface (so `Lock` runs either), which runs under the simulator.
+
+    The node-local slot (``local`` at ``slot``: one host's memory, so
+    coherent) holds the tier-1 ``mutex``, then ``held`` (grant epoch + 1
+    while this node's tier-2 hold is being handed to the next local holder,
+    else 0), ``waiters`` (processes of the node blocked on the mutex; changed
+    atomically) and ``passes`` (local hand-offs since the node last gave the
+    grant back).  ``held`` and ``passes`` change only under the mutex (R2).
+    A releasing process that sees a waiter and has made fewer than ``bound``
+    passes keeps tier 2 and hands it over through the mutex, touching no pool
+    memory; every `PASSES_PER_CHECK` passes it first reads the grant line
+    (R4) and gives the grant back instead when it is revoking, lost, torn or
+    bad (the fencing token is what guards the data: R6).  The bound keeps the
+    other nodes from starving.  A hand-off nobody takes is given back by
+    `sweep`, which the heartbeat runs.
+    """
+
+    def __init__(self, space: LockSpace, lock: int, name: str, local, slot: int, mutex,
+                 bound: int = COHORT_PASSES):
+        if bound < 0:
+            raise ConfigError(f"lock {name!r}: the cohort bound {bound} is negative")
+        local.load_u64s(slot, SLOT_BYTES // 8)  # the slot lies inside the mapping
+        self.tier2 = ManagedLock(space, lock, name)
+        self.local, self.slot, self.mutex, self.bound = local, slot, mutex, bound
+        self.seq = 0
+
+    @property
+    def epoch(self) -> int:
+        return self.tier2.epoch
+
+    @epoch.setter
+    def epoch(self, value: int) -> None:
+        self.tier2.epoch = value
+
+    def _word(self, word: int) -> int:
+        return self.local.load_u64(self.slot + word)
+
+    def _set(self, word: int, value: int) -> None:
+        self.local.store_u64(self.slot + word, value)
+
+    def acquire(self, timeout: float | None = None) -> int:
+        """Tier 1 (counted among the waiters while it blocks), then the hold
+        handed over by the last local holder, or `attempt`.  TimeoutError
+        when tier 1 stays busy ``timeout`` seconds."""
+        died = self.mutex.try_acquire()
+        if died is None:
+            self.local.local_add_u64s(self.slot + WAITERS, _ONE)
+            try:
+                died = self.mutex.acquire(timeout)
+            finally:
+                self.local.local_add_u64s(self.slot + WAITERS, _MINUS_ONE)
+        if died:
+            return OWNER_DIED
+        held = self._word(HELD)
+        if held:
+            self.epoch = held - 1
+            self._set(HELD, 0)
+            return ACQUIRED
+        return self.attempt()
+
+    def attempt(self) -> int:
+        """Announce a request and look once for the grant (tier 1 held); a
+        torn or bad line is left to `ManagedLock.acquire` (ANNOUNCED)."""
+        self.seq = self.tier2.announce()
+        try:
+            granted, _, _ = self.tier2.attempt(self.seq, first=True)
+        except CorruptionError:
+            granted = False
+        return ACQUIRED if granted else ANNOUNCED
+
+    def still_granted(self) -> bool:
+        """`ManagedLock.still_granted`, False for a torn or bad line too."""
+        try:
+            return self.tier2.still_granted()
+        except CorruptionError:
+            return False
+
+    def release(self) -> None:
+        """Hand tier 2 to a local waiter, or give it back; then tier 1."""
+        passes = self._word(PASSES)
+        keep = bool(self._word(WAITERS)) and passes < self.bound
+        if keep and passes % PASSES_PER_CHECK == 0:
+            keep = self.still_granted()
+        if keep:
+            self._set(PASSES, passes + 1)
+            self._set(HELD, self.epoch + 1)
+        else:
+            self.repair()
+        self.mutex.release()
+
+    def repair(self) -> None:
+        """Give tier 2 back and clear the slot (also after OWNER_DIED)."""
+        self.tier2.release()
+        self._set(HELD, 0)
+        self._set(PASSES, 0)
+
+    def sweep(self) -> bool:
+        """Give back a hand-off no local process took.  True if it did."""
+        if not self._word(HELD):
+            return False
+        died = self.mutex.try_acquire()
+        if died is None:
+            return False
+        swept = died or self._word(HELD) != 0
+        if swept:
+            self.repair()
+        if died:
+            self.mutex.consistent()
+        self.mutex.release()
+        return swept
+
+    def slot_words(self) -> tuple[int, int, int]:
+        """(held, waiters, passes) as this node sees them."""
+        return self._word(HELD), self._word(WAITERS), self._word(PASSES)
+
+
 @dataclasses.dataclass
 class _Granting:
     """The manager's own copy of one of its grant lines."""
@@ -690,9 +822,10 @@ class Lock:
 
     Tier 1 (``local``, a `tract._native._localmutex.LocalMutex`, or None when
     this process is the node's only one, as under the simulator) then tier 2.
-    ``fast``: for manager mode with a tier-1 mutex, the native fast path over
-    the same steps (`tract._native._lockfast`), which also hands the grant to
-    the node's next process (cohorting).  ``epoch`` is the fencing token of
+    ``fast``: for manager mode with a tier-1 mutex, tier 1 and tier 2 with
+    cohorting (the grant handed to the node's next process): the native fast
+    path (`tract._native._lockfast.ManagerFastPath`) or its reference,
+    `Cohort`.  ``epoch`` is the fencing token of
     the current grant; call ``check()`` before publishing work done under the
     lock.
     """
@@ -739,7 +872,7 @@ class Lock:
                 outcome = fast.acquire(timeout)
             except TimeoutError:
                 raise self._local_timeout(timeout) from None
-            if outcome == _lockfast.ACQUIRED:
+            if outcome == ACQUIRED:
                 return fast.epoch
             began = self.global_lock.space.clock.now()
             epoch = self._acquire_slow(outcome, timeout, start)
@@ -773,10 +906,10 @@ class Lock:
         holder's state: the reference protocol, from the announced seq."""
         fast, clock = self.fast, self.global_lock.space.clock
         try:
-            if outcome == _lockfast.OWNER_DIED:
+            if outcome == OWNER_DIED:
                 fast.repair()  # the dead holder's claim and hand-off
                 self.local.consistent()
-                if fast.attempt() == _lockfast.ACQUIRED:
+                if fast.attempt() == ACQUIRED:
                     return fast.epoch
             left = None if timeout is None else max(0.0, timeout - (clock.now() - start))
             fast.epoch = self.global_lock.acquire(left, seq=fast.seq)

@@ -40,13 +40,13 @@ import uuid
 
 from tract import platform
 from tract._native._localmutex import LocalMutex
-from tract._native._lockfast import SLOT_BYTES, ManagerFastPath
+from tract._native._lockfast import ManagerFastPath
 from tract._native._nodeheap import NodeHeap, heap_bytes
 from tract.alloc import OFFSET_BITS, AllocLayout, Allocator, pid_alive
 from tract.errors import ConfigError, CorruptionError, TractError
 from tract.lease import ALIVE, LINE, Clock, NodeTable
-from tract.lock import (COHORT_PASSES, LOCK_MODES, Lock, LockLayout, LockManager, LockSpace,
-                        read_manager)
+from tract.lock import (COHORT_PASSES, LOCK_MODES, SLOT_BYTES, Lock, LockLayout, LockManager,
+                        LockSpace, read_manager)
 from tract.index import Index
 from tract.objects import RECORD_BYTES, ObjectStore
 from tract.region import create_region, is_dax_path, open_region

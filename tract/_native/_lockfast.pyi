@@ -5,6 +5,8 @@ ACQUIRED: int
 OWNER_DIED: int
 ANNOUNCED: int
 SLOT_BYTES: int
+COHORT_WORDS: dict[str, int]
+CHECK_EVERY: int
 
 def grant_check(fields: list[int] | tuple[int, ...]) -> int: ...
 

@@ -1,8 +1,9 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
 """Private: the native fast path of a manager-mode lock, with lock cohorting.
 
-The protocol is `tract.lock`'s; its Python steps are the reference, and they
-are what runs under the simulator and the mutation harness.  This module does
+The protocol is `tract.lock`'s; its Python steps are the reference
+(`tract.lock.Cohort` for this class as a whole, `tract.lock.ManagedLock` for
+tier 2), and they are what runs under the simulator and the mutation harness.  This module does
 the same steps in one call each, so an uncontended acquire + release costs
 its cache-line round trips rather than ~30 Python calls:
 
@@ -17,7 +18,7 @@ The fast path never decides a hard case: when the grant is not this node's,
 or a line is torn, or a value is out of range, it reports ``ANNOUNCED`` and
 the caller goes on with the reference (which waits, times out, or raises
 `CorruptionError`).  tests/test_lock_fast.py runs both on the same memory
-states and requires the same outcome and the same bytes.
+states and requires the same outcome, bytes and cache-control trace.
 
 Cohorting (DESIGN.md §3).  A lock's slot in the node-local file is two
 lines: its mutex, then ``held`` (grant epoch + 1 while this node's tier-2 hold is being
@@ -73,6 +74,11 @@ cdef enum:
     WAITERS_WORD = 9
     PASSES_WORD = 10
     PASSES_PER_CHECK = 8  # hand-offs between two reads of the grant line
+
+#: byte offsets of the cohort words in a slot, and the hand-offs between two
+#: reads of the grant line (`tract.lock.Cohort` repeats them; tests/test_rules.py)
+COHORT_WORDS = {"held": 8 * HELD_WORD, "waiters": 8 * WAITERS_WORD, "passes": 8 * PASSES_WORD}
+CHECK_EVERY = PASSES_PER_CHECK
 
 
 cdef inline uint64_t _grant_check(const volatile uint64_t *fields) noexcept nogil:

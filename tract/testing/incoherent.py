@@ -73,6 +73,8 @@ __all__ = [
     "LostUpdate",
     "SimClock",
     "SimHost",
+    "SimMutex",
+    "SimNodeLocal",
     "SimPool",
     "SimulationFailure",
     "StaleRead",
@@ -376,6 +378,80 @@ class SimClock:
 
     def sleep(self, seconds: float) -> None:
         self.pool._sleep(seconds)
+
+
+class SimNodeLocal:
+    """A node's local memory under the simulator (the node-local file of
+    `tract.pool.NodeLocal`): one host's, so coherent, with the typed loads
+    and stores and the host-atomic adds of a native Region; every access is
+    a scheduling point of ``host``."""
+
+    def __init__(self, pool: SimPool, host: int, size: int):
+        self.pool, self.host = pool, host
+        self.words = numpy.zeros(size // 8, dtype=numpy.uint64)
+        self.path = f"<simulated node-local memory, host {host}>"
+
+    def _at(self, offset: int, count: int = 1) -> int:
+        if offset % 8 or not 0 <= offset <= 8 * (len(self.words) - count):
+            raise BoundsError(f"node-local words [{offset}, {offset + 8 * count}) are not "
+                              f"8-byte aligned inside {8 * len(self.words)} bytes")
+        self.pool._step(self.host, "local", -1)
+        return offset // 8
+
+    def load_u64(self, offset: int) -> int:
+        return int(self.words[self._at(offset)])
+
+    def load_u64s(self, offset: int, count: int) -> tuple[int, ...]:
+        at = self._at(offset, count)
+        return tuple(int(word) for word in self.words[at:at + count])
+
+    def store_u64(self, offset: int, value: int) -> None:
+        self.words[self._at(offset)] = value
+
+    def local_add_u64s(self, offset: int, deltas) -> None:
+        at = self._at(offset, len(deltas))
+        self.words[at:at + len(deltas)] += numpy.asarray(deltas, dtype=numpy.uint64)
+
+
+class SimMutex:
+    """A robust node-local mutex under the simulator, with the interface of
+    `tract._native._localmutex.LocalMutex`: a simulated thread that ends
+    while holding it (a process of the node that died) leaves it to the next
+    taker, who is told so (True) and calls `consistent`."""
+
+    def __init__(self, pool: SimPool):
+        self.pool = pool
+        self.holder: int | None = None
+        self.dead = False  # taken over from a holder that died: not consistent yet
+
+    def try_acquire(self) -> bool | None:
+        pool = self.pool
+        me = pool._thread.index
+        pool._step(pool._thread.host, "mutex", -1)
+        if self.holder is not None and self.holder in pool._alive:
+            return None
+        died = self.holder is not None or self.dead
+        self.holder, self.dead = me, died
+        return died
+
+    def acquire(self, timeout: float | None = None) -> bool:
+        start = self.pool.clock.now()
+        while (died := self.try_acquire()) is None:
+            if timeout is not None and self.pool.clock.now() - start > timeout:
+                raise TimeoutError(f"simulated local mutex still held after {timeout} s")
+            self.pool.clock.sleep(SimClock.TICK * 16)
+        return died
+
+    def consistent(self) -> None:
+        self.dead = False
+
+    def release(self) -> None:
+        if self.holder != self.pool._thread.index:
+            raise RuntimeError("simulated local mutex released by a thread that does not hold it")
+        if self.dead:
+            raise RuntimeError("simulated local mutex released after its holder died without "
+                               "`consistent` (a real one would be unusable)")
+        self.holder = None
 
 
 class SimHost:
