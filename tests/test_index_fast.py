@@ -15,7 +15,7 @@ import pytest
 from tract._kernels import probe
 from tract.errors import CorruptionError
 from tract.index import Hits, Index, _IndexFull
-from tract.lease import LINE
+from tract.lines import LINE
 from tract.pool import Pool
 
 

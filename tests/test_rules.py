@@ -6,6 +6,8 @@ own)."""
 import ast
 from pathlib import Path
 
+import numpy as np
+
 import tract
 import twins
 
@@ -138,24 +140,44 @@ def test_every_registered_twin_is_held_to_its_reference_by_a_test():
 
 
 def test_shared_layout_constants_agree_on_both_sides():
-    """The line, the index entry and the owner record are each defined once
-    in C (`_cachectl.h`, the native modules) and once in Python; every
-    module that repeats one agrees with them."""
-    from tract import alloc, connector, index, lease, lock, pool
-    from tract._kernels import indexfast
-    from tract._native import _allocfast, _region
-    from tract.testing import incoherent, mailbox
+    """The line, the check word, the index entry, the owner record and the
+    cohort slot are each defined once in Python (`tract.lines` and the module
+    that owns each layout) and once in C (`_cachectl.h`, the native modules);
+    nothing else repeats them."""
+    from tract import alloc, index, lines, lock, objects, pool
+    from tract._kernels import indexfast, probe
+    from tract._native import _allocfast, _lockfast, _region
 
-    lines = {module.__name__: module.LINE for module in
-             (lease, lock, connector, incoherent, mailbox, _region)}
-    lines["tract._native._allocfast"] = _allocfast.LINE_BYTES
-    assert set(lines.values()) == {64}, lines
-    assert index.ENTRY_BYTES == pool.INDEX_ENTRY_BYTES == indexfast.ENTRY == _region.LINE
+    assert lines.LINE == _region.LINE == _allocfast.LINE_BYTES == 64
+    assert (lines.CHECK_PRIME, lines.CHECK_ADD) == (_region.CHECK_PRIME, _region.CHECK_ADD)
+    for fields in ([0] * 5, [1, 2, 3, 4, 5], [lines.MASK64] * 5):
+        assert _lockfast.grant_check(fields) == lines.check_word(lock.GRANT_TAG, fields)
+    entry = np.arange(1, 9, dtype=np.uint64)
+    assert probe.entry_check(entry) == lines.check_word(probe.ENTRY_TAG, entry[:7])
+    assert len({lock.GRANT_TAG, objects.RECORD_TAG, probe.ENTRY_TAG}) == 3
+    assert index.ENTRY_BYTES == indexfast.ENTRY == _region.LINE
     assert alloc.OWNER_BYTES == _allocfast.OWNER_RECORD_BYTES
-    from tract._native import _lockfast
     assert lock.SLOT_BYTES == pool.SLOT_BYTES == _lockfast.SLOT_BYTES
     assert _lockfast.COHORT_WORDS == {"held": lock.HELD, "waiters": lock.WAITERS,
                                       "passes": lock.PASSES}
     assert lock.PASSES_PER_CHECK == _lockfast.CHECK_EVERY
     assert (lock.ACQUIRED, lock.OWNER_DIED, lock.ANNOUNCED) == \
         (_lockfast.ACQUIRED, _lockfast.OWNER_DIED, _lockfast.ANNOUNCED)
+
+
+def test_no_module_repeats_a_shared_constant():
+    """``LINE = 64`` and the check word's mixing constants appear only where
+    they are defined (the C side names them in ``_cachectl.h``)."""
+    import re
+
+    defined = {"tract/lines.py"}
+    found = []
+    for path in sorted(ROOT.rglob("*.py")) + sorted(ROOT.rglob("*.pyx")):
+        name = str(path.relative_to(ROOT.parent))
+        if name in defined or name == "tract/testing/mutants.py":
+            continue
+        text = path.read_text()
+        for pattern in (r"^LINE = \d", r"0x100_?0000_?01B3", r"0x9E37_?79B9"):
+            if re.search(pattern, text, re.MULTILINE | re.IGNORECASE):
+                found.append((name, pattern))
+    assert found == []

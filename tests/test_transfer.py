@@ -183,3 +183,62 @@ def test_bench_transfer_reports_every_figure_against_its_baseline():
                                ("handoff", "two_copy_memcpy"), ("handoff", "tcp_loopback")]:
             result = by_name[(f"transfer[{kind},{label}]", baseline)]
             assert result.value > 0 and result.ratio is not None and result.ratio > 0
+
+
+# ------------------------------------------- the CUDA path's cache rules, simulated
+
+class _HostDma:
+    """`tract.cuda.CudaDma`'s copies done by this host's CPU through its
+    cache: what DMA into (and out of) a host's last-level cache amounts to."""
+
+    def __init__(self, host):
+        self.host = host
+
+    def to_pool(self, plans):
+        for offset, flat in plans:
+            for segment in flat:
+                self.host.copy_in(offset, segment.numpy(), nontemporal=False)
+                offset += segment.numel()
+
+    def from_pool(self, plans):
+        for offset, flat in plans:
+            for segment in flat:
+                self.host.copy_out(offset, segment.numpy())
+                offset += segment.numel()
+
+    def close(self):
+        pass
+
+
+@pytest.mark.sim
+def test_cuda_stores_reach_another_host_and_loads_read_fresh():
+    """`tract.cuda.CudaTransfer`'s write-back after a store (R3) and drop
+    before a load (R4), with its DMA done through a simulated host's cache:
+    node 1 reads what node 0 stored, having read the ranges before."""
+    import types
+
+    import torch
+
+    from tract.cuda import CudaTransfer
+    from tract.testing.incoherent import SimPool
+
+    layout = KVLayout("sim", "bfloat16", 2, 1, 16, 4)
+    offsets = [4096, 4096 + layout.block_bytes]
+    for seed in range(40):
+        sim = SimPool(16384, hosts=2, seed=seed, chaos=0.3 if seed % 4 else 0.0)
+        engines = []
+        for host in sim.hosts:
+            pool = types.SimpleNamespace(region=host,
+                                         header=types.SimpleNamespace(hash_key=bytes(16)))
+            engine = TransferEngine(pool, layout)
+            engines.append(CudaTransfer(engine, dma=_HostDma(host)))
+        generator = torch.Generator().manual_seed(seed)
+        blocks = [torch.randint(0, 256, (layout.block_bytes,), dtype=torch.uint8,
+                                generator=generator) for _ in offsets]
+        outs = [torch.zeros(layout.block_bytes, dtype=torch.uint8) for _ in offsets]
+        engines[1].load(offsets, outs)  # node 1 has the old bytes in its cache
+        sums = engines[0].store(offsets, blocks)
+        good = engines[1].load(offsets, outs, sums)
+        assert good.all(), f"seed {seed}: a block failed its checksum"
+        for block, out in zip(blocks, outs):
+            assert torch.equal(block, out), f"seed {seed}: node 1 read stale bytes"

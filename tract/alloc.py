@@ -61,7 +61,8 @@ from tract._native._allocfast import ChunkFastPath
 from tract._native._nodeheap import NOT_MINE
 from tract._native._region import Region
 from tract.errors import CorruptionError, LockTimeout, PoolFull
-from tract.lease import ALIVE, LINE
+from tract.lease import ALIVE
+from tract.lines import LINE
 from tract import _failpoints as faults
 
 __all__ = ["AllocLayout", "Allocator", "FreeRing", "KINDS"]

@@ -22,7 +22,7 @@ import numpy as np
 from tract._native._region import digest
 from tract.errors import CudaError
 
-__all__ = ["REGISTER_CHUNK", "CudaTransfer"]
+__all__ = ["REGISTER_CHUNK", "CudaDma", "CudaTransfer"]
 
 REGISTER_CHUNK = 1 << 30
 _HOST_REGISTER_PORTABLE = 1
@@ -40,23 +40,25 @@ def _check(code, call: str) -> None:
         raise CudaError(f"{call} failed: CUDA error {value} ({name})")
 
 
-class CudaTransfer:
-    """The CUDA half of one `TransferEngine`."""
+class CudaDma:
+    """The device half: the mapping registered with CUDA (pinned host
+    memory) and the copies between device tensors and pool ranges, on a
+    dedicated stream.  ``plans`` are ``(pool offset, flat uint8 segments)``,
+    already checked; both calls return once the copies are done."""
 
-    def __init__(self, engine):
+    def __init__(self, region):
         import torch
 
         if not torch.cuda.is_available():
             raise CudaError("CUDA tensors given, but torch sees no CUDA device")
-        self.engine, self.region = engine, engine.region
-        self.torch = torch
+        self.region, self.torch = region, torch
         self.runtime = torch.cuda.cudart()
         self.stream = torch.cuda.Stream()
         self.registered: list[int] = []
-        base = self.region.base
+        base = region.base
         try:
-            for start in range(0, self.region.size, REGISTER_CHUNK):
-                size = min(REGISTER_CHUNK, self.region.size - start)
+            for start in range(0, region.size, REGISTER_CHUNK):
+                size = min(REGISTER_CHUNK, region.size - start)
                 _check(self.runtime.cudaHostRegister(base + start, size,
                                                      _HOST_REGISTER_PORTABLE),
                        f"cudaHostRegister(offset {start}, {size} bytes)")
@@ -64,13 +66,46 @@ class CudaTransfer:
         except BaseException:
             self.close()
             raise
-        self.host = torch.from_numpy(self.region.view())  # the mapping, pinned
+        self.host = torch.from_numpy(region.view())  # the mapping, pinned
 
     def close(self) -> None:
         self.host = None
         for address in reversed(self.registered):
             _check(self.runtime.cudaHostUnregister(address), "cudaHostUnregister")
         self.registered.clear()
+
+    def to_pool(self, plans) -> None:
+        with self.torch.cuda.stream(self.stream):
+            for offset, flat in plans:
+                for segment in flat:
+                    self.host[offset:offset + segment.numel()].copy_(segment, non_blocking=True)
+                    offset += segment.numel()
+        self.stream.synchronize()
+
+    def from_pool(self, plans) -> None:
+        with self.torch.cuda.stream(self.stream):
+            for offset, flat in plans:
+                for segment in flat:
+                    segment.copy_(self.host[offset:offset + segment.numel()], non_blocking=True)
+                    offset += segment.numel()
+        self.stream.synchronize()
+
+
+class CudaTransfer:
+    """The CUDA half of one `TransferEngine`: the cache rules around the
+    copies of ``dma`` (a `CudaDma` by default; the simulated suite gives a
+    copier that stores through the host's cache, as DMA into a host's last
+    level cache does)."""
+
+    def __init__(self, engine, dma=None):
+        import torch
+
+        self.engine, self.region = engine, engine.region
+        self.torch = torch
+        self.dma = dma if dma is not None else CudaDma(self.region)
+
+    def close(self) -> None:
+        self.dma.close()
 
     def _flat(self, block):
         torch = self.torch
@@ -98,18 +133,13 @@ class CudaTransfer:
     def _sums(self, offsets) -> np.ndarray:
         engine, layout = self.engine, self.engine.layout
         digests = np.array([digest(self.region.view(int(offset), layout.piece_bytes), engine.seed)
-                            for offset in engine._offsets(offsets)], dtype=np.uint64)
-        return engine._sums(digests)
+                            for offset in engine.piece_offsets(offsets)], dtype=np.uint64)
+        return engine.block_sums(digests)
 
     def store(self, offsets, blocks) -> np.ndarray:
         plans = self._ranges(offsets, blocks)
-        with self.torch.cuda.stream(self.stream):
-            for offset, flat in plans:
-                for segment in flat:
-                    self.host[offset:offset + segment.numel()].copy_(segment, non_blocking=True)
-                    offset += segment.numel()
-        self.stream.synchronize()
-        for offset, flat in plans:
+        self.dma.to_pool(plans)
+        for offset, flat in plans:  # the DMA may have left them in this host's cache (R3)
             self.region.flush(offset, sum(s.numel() for s in flat), payload=True)
         self.region.fence()
         if not self.engine.checksum:
@@ -118,15 +148,10 @@ class CudaTransfer:
 
     def load(self, offsets, blocks, checksums=None) -> np.ndarray:
         plans = self._ranges(offsets, blocks)
-        for offset, flat in plans:
+        for offset, flat in plans:  # the DMA reads through this host's cache (R4)
             self.region.invalidate(offset, sum(s.numel() for s in flat), payload=True)
         self.region.fence()
-        with self.torch.cuda.stream(self.stream):
-            for offset, flat in plans:
-                for segment in flat:
-                    segment.copy_(self.host[offset:offset + segment.numel()], non_blocking=True)
-                    offset += segment.numel()
-        self.stream.synchronize()
+        self.dma.from_pool(plans)
         if not (self.engine.checksum and checksums is not None):
             return np.ones(len(plans), dtype=np.bool_)
         return self._sums(offsets) == (np.asarray(checksums, dtype=np.uint64)

@@ -59,7 +59,7 @@ from tract._kernels.probe import EMPTY as EMPTY_STATE
 from tract._kernels.probe import (CONTINUE, EVICTING, FREE, HIT, READY, TOKENS_MAX, TOMBSTONE,
                                   UNKNOWN, WRITING)
 from tract.errors import CorruptionError, PoolFull
-from tract.lease import LINE
+from tract.lines import LINE
 from tract._native._region import INSTRUCTIONS, Region
 from tract import _failpoints as faults
 

@@ -21,6 +21,7 @@ import os
 import time
 
 from tract.errors import CorruptionError
+from tract.lines import LINE
 
 #: the highest epoch a node may join past (joining once a microsecond, a node
 #: would reach it in some 290,000 years)
@@ -28,7 +29,6 @@ EPOCH_MAX = 1 << 63
 
 __all__ = ["ABSENT", "ALIVE", "LEFT", "Backoff", "Clock", "Liveness", "NodeTable"]
 
-LINE = 64
 ABSENT, ALIVE, LEFT = 0, 1, 2
 _STATES = {ABSENT: "absent", ALIVE: "alive", LEFT: "left"}
 

@@ -67,15 +67,15 @@ import numpy as np
 
 from tract.errors import ConfigError, CorruptionError, LeaseLost, LockTimeout
 from tract.lease import Backoff, Clock, Liveness, NodeTable
+from tract.lines import LINE, MASK64, check_word
 from tract import _failpoints as faults
 
 __all__ = ["COHORT_PASSES", "Cohort", "LOCK_MODES", "Lock", "LockLayout", "LockManager",
            "LockSpace"]
 
-LINE = 64
 LOCK_MODES = ("manager", "bakery", "atomic")
 COHORT_PASSES = 64  # local hand-offs of a grant before the node gives it back
-MASK64 = 0xFFFF_FFFF_FFFF_FFFF
+GRANT_TAG = 0x5152_4143_5447_524E  # seeds a grant line's check word
 
 # grant states
 NONE, GRANTED, REVOKING = 0, 1, 2
@@ -285,14 +285,9 @@ def read_manager(space: LockSpace) -> tuple[int | None, int]:
 
 
 def grant_check(fields) -> int:
-    """Check word over a grant line's fields.  A line is written field by
-    field, and the cache may write it back between two stores (eviction), so
-    a reader can meet a mix of old and new fields; the check word, stored
-    last, tells a whole line from a torn one."""
-    check = 0x5152_4143_5447_524E
-    for field in fields:
-        check = ((check ^ field) * 0x100_0000_01B3 + 0x9E37_79B9) & MASK64
-    return check
+    """The check word over a grant line's five fields, stored last
+    (`tract.lines`)."""
+    return check_word(GRANT_TAG, fields)
 
 
 def _read_grant(space: LockSpace, line: int) -> Grant | None:

@@ -30,7 +30,7 @@ import hashlib
 import re
 
 from tract.errors import CorruptionError, PoolFull
-from tract.lease import LINE
+from tract.lines import LINE, MASK64, check_word
 
 __all__ = ["NAME_MAX", "ObjectRecord", "ObjectStore", "RECORD_BYTES"]
 
@@ -38,7 +38,7 @@ RECORD_BYTES = 128
 NAME_MAX = 64
 NAME = re.compile(r"[A-Za-z0-9_.:/@+-]{1,64}")
 EMPTY, LIVE, TOMBSTONE = 0, 1, 2
-MASK64 = 0xFFFF_FFFF_FFFF_FFFF
+RECORD_TAG = 0x4F42_4A45_4354_5243  # seeds a record's check word
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,10 +53,7 @@ class ObjectRecord:
 
 def record_check(words) -> int:
     """Check word over a record's first seven words and its eight name words."""
-    check = 0x4F42_4A45_4354_5243
-    for word in words:
-        check = ((check ^ word) * 0x100_0000_01B3 + 0x9E37_79B9) & MASK64
-    return check
+    return check_word(RECORD_TAG, words)
 
 
 def validate_name(name: str) -> bytes:

@@ -44,21 +44,21 @@ from tract._native._lockfast import ManagerFastPath
 from tract._native._nodeheap import NodeHeap, heap_bytes
 from tract.alloc import OFFSET_BITS, AllocLayout, Allocator, pid_alive
 from tract.errors import ConfigError, CorruptionError, TractError
-from tract.lease import ALIVE, LINE, Clock, NodeTable
+from tract.lease import ALIVE, Clock, NodeTable
+from tract.lines import LINE
 from tract.lock import (COHORT_PASSES, LOCK_MODES, SLOT_BYTES, Lock, LockLayout, LockManager,
                         LockSpace, read_manager)
-from tract.index import Index
+from tract.index import ENTRY_BYTES, Index
 from tract.objects import RECORD_BYTES, ObjectStore
 from tract.region import create_region, is_dax_path, open_region
 from tract.stats import COUNTERS, STATS_BYTES, NodeStats, read_stats
 
-__all__ = ["DEFAULT_LOCKS", "Pool", "format_pool"]
+__all__ = ["DEFAULT_LOCKS", "Pool", "format_pool", "unpublish"]
 
 MAGIC = int.from_bytes(b"TRACTPL\x01", "little")
-LAYOUT_VERSION = 3
+LAYOUT_VERSION = 4  # 4: one check word for every kind of line (tract.lines)
 HEADER_BYTES = 4096
 NAME_BYTES = 32
-INDEX_ENTRY_BYTES = 64
 INDEX_NODE_WORD = 8  # per node, per index entry: its pin count and access stamp
 DEFAULT_LOCKS = ("alloc", "objects", "index")
 DEFAULT_CHUNK = 2 << 20
@@ -95,7 +95,7 @@ def _areas(size: int, max_nodes: int, max_locks: int, chunk_size: int, max_objec
     alloc = lock_area + lock_area_size
     objects = alloc + AllocLayout(alloc, size // chunk_size, max_nodes).nbytes
     index = objects + max_objects * RECORD_BYTES
-    index_nodes = index + index_capacity * INDEX_ENTRY_BYTES
+    index_nodes = index + index_capacity * ENTRY_BYTES
     stats = index_nodes + max_nodes * _round_up(index_capacity * INDEX_NODE_WORD, LINE)
     heap = _round_up(stats + max_nodes * STATS_BYTES, chunk_size)
     return dict(node_table=node_table, names=names, lock_area=lock_area,
@@ -171,6 +171,14 @@ def format_pool(region, *, max_nodes: int = 16, locks=DEFAULT_LOCKS, max_locks: 
     region.fence()
 
 
+def unpublish(region) -> None:
+    """Wipe the magic, flushed and fenced (R3): from then on no host opens
+    the memory as a pool (`format_pool` publishes it again)."""
+    region.store_u64(_F["magic"], 0)
+    region.flush(0, LINE)
+    region.fence()
+
+
 def _flush_code(control) -> int:
     return platform.FLUSH_CHOICES.index(control.chosen) if control.chosen in \
         platform.FLUSH_CHOICES else len(platform.FLUSH_CHOICES)
@@ -228,6 +236,8 @@ class Header:
         self.heap_end = self.heap + self.nchunks * self.chunk_size
         self.index_node_bytes = _round_up(self.index_capacity * INDEX_NODE_WORD, LINE)
         self.lock_names = []
+        region.invalidate(self.names, self.max_locks * NAME_BYTES)  # outside the header (R4)
+        region.fence()
         for index in range(self.max_locks):
             raw = region.read(self.names + index * NAME_BYTES, NAME_BYTES).rstrip(b"\0")
             if not raw:
@@ -388,9 +398,7 @@ class Pool:
         if is_dax_path(path):  # a device is not removed: its magic is wiped
             region = open_region(path, size=HEADER_BYTES)
             try:
-                region.store_u64(_F["magic"], 0)
-                region.flush(0, LINE)
-                region.fence()
+                unpublish(region)
             finally:
                 region.close()
             return

@@ -21,7 +21,7 @@ import threading
 import numpy as np
 
 from tract.errors import ConfigError
-from tract.lease import LINE
+from tract.lines import LINE
 
 __all__ = ["COUNTERS", "STATS_BYTES", "NodeStats", "PoolCollector", "format_table",
            "metric_name", "read_stats", "serve_prometheus"]

@@ -184,13 +184,13 @@ class TransferEngine:
         if len(blocks) and not self._on_cuda(blocks[0]):
             self._segments(np.zeros(len(blocks), np.int64), blocks)
 
-    def _offsets(self, offsets) -> np.ndarray:
+    def piece_offsets(self, offsets) -> np.ndarray:
         """The pool offset of every piece of the blocks at ``offsets``."""
         offsets = np.asarray(offsets, dtype=np.int64)
         piece = self.layout.piece_bytes
         return (offsets[:, None] + piece * np.arange(self.layout.pieces)).ravel()
 
-    def _sums(self, digests: np.ndarray) -> np.ndarray:
+    def block_sums(self, digests: np.ndarray) -> np.ndarray:
         """Each block's checksum (u32) from its pieces' digests."""
         return xxh64_rows(digests.reshape(-1, self.layout.pieces), self.seed) & \
             np.uint64(0xFFFFFFFF)
@@ -206,7 +206,7 @@ class TransferEngine:
         digests = np.zeros(len(blocks) * self.layout.pieces, np.uint64) if self.checksum \
             else None
         self.region.copy_in_blocks(where, views, digests, self.seed, self.layout.piece_bytes)
-        return self._sums(digests) if self.checksum else np.zeros(len(blocks), np.uint64)
+        return self.block_sums(digests) if self.checksum else np.zeros(len(blocks), np.uint64)
 
     def load(self, offsets, blocks: Sequence, checksums=None) -> np.ndarray:
         """Fill ``blocks`` from the pool ranges at ``offsets``, read fresh
@@ -221,7 +221,7 @@ class TransferEngine:
         self.region.copy_out_blocks(where, views, digests, self.seed, self.layout.piece_bytes)
         if not verify:
             return np.ones(len(blocks), dtype=np.bool_)
-        return self._sums(digests) == (np.asarray(checksums, dtype=np.uint64)
+        return self.block_sums(digests) == (np.asarray(checksums, dtype=np.uint64)
                                        & np.uint64(0xFFFFFFFF))
 
     # -------------------------------------------------------------- CUDA

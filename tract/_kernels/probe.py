@@ -30,6 +30,7 @@ Twins: ``tests/naive.py`` (``entry_check``, ``reach``, ``probe_lookup``,
 import numpy as np
 
 from tract._kernels.config import kernel
+from tract.lines import CHECK_ADD, CHECK_PRIME
 
 __all__ = ["BUSY", "CONTINUE", "EMPTY", "EVICTING", "EXISTS", "FREE", "HIT", "MISS", "READY",
            "REACH_BITS", "TOKENS_MAX", "TOMBSTONE", "UNKNOWN", "WRITING", "collect", "empty",
@@ -44,6 +45,7 @@ HIT, MISS, BUSY, CONTINUE = 0, 1, 2, 3
 FREE, EXISTS = 4, 5
 
 U64 = np.uint64
+ENTRY_TAG = 0x5452_4143_5449_4458  # seeds an entry's check word (`tract.lines`)
 UNKNOWN = 0xFFFF  # reach not known: probe until an empty slot
 TOKENS_MAX = (1 << 24) - 1
 REACH_BITS = U64(UNKNOWN) << U64(24)  # word 3's reach field
@@ -51,9 +53,9 @@ REACH_BITS = U64(UNKNOWN) << U64(24)  # word 3's reach field
 
 @kernel(inline="always")
 def _check(entry):
-    check = U64(0x5452414354494458)
+    check = U64(ENTRY_TAG)
     for i in range(7):
-        check = (check ^ entry[i]) * U64(0x100000001B3) + U64(0x9E3779B97F4A7C15)
+        check = (check ^ entry[i]) * U64(CHECK_PRIME) + U64(CHECK_ADD)
     return check
 
 

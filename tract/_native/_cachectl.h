@@ -30,6 +30,18 @@
 
 #define TRACT_LINE 64
 
+/* The torn-line check word (tract/lines.py): each word of a line mixed in, seeded
+ * with the tag of the line's kind. */
+#define TRACT_CHECK_PRIME 0x100000001B3ULL
+#define TRACT_CHECK_ADD 0x9E3779B97F4A7C15ULL
+
+static inline uint64_t tract_check_word(uint64_t tag, const volatile uint64_t *words, int n) {
+    uint64_t check = tag;
+    for (int i = 0; i < n; i++)
+        check = (check ^ words[i]) * TRACT_CHECK_PRIME + TRACT_CHECK_ADD;
+    return check;
+}
+
 enum tract_insn {
     TRACT_INSN_NONE = 0,
     TRACT_INSN_CLFLUSH = 1,

@@ -55,6 +55,7 @@ cdef extern from "_cachectl.h" nogil:
     void tract_fence() noexcept
     uint64_t tract_add_u64(uint64_t *addr, int64_t delta) noexcept
     uint64_t tract_load_u64(const uint64_t *addr) noexcept
+    uint64_t tract_check_word(uint64_t tag, const volatile uint64_t *words, int n) noexcept
 
 tract_trace_bind(trace_state())  # one cache-control trace per process (_region.pxd)
 
@@ -75,6 +76,8 @@ cdef enum:
     PASSES_WORD = 10
     PASSES_PER_CHECK = 8  # hand-offs between two reads of the grant line
 
+cdef uint64_t GRANT_TAG = 0x515241435447524E  # tract.lock.GRANT_TAG
+
 #: byte offsets of the cohort words in a slot, and the hand-offs between two
 #: reads of the grant line (`tract.lock.Cohort` repeats them; tests/test_rules.py)
 COHORT_WORDS = {"held": 8 * HELD_WORD, "waiters": 8 * WAITERS_WORD, "passes": 8 * PASSES_WORD}
@@ -82,11 +85,7 @@ CHECK_EVERY = PASSES_PER_CHECK
 
 
 cdef inline uint64_t _grant_check(const volatile uint64_t *fields) noexcept nogil:
-    cdef uint64_t check = 0x515241435447524E
-    cdef int i
-    for i in range(5):
-        check = (check ^ fields[i]) * <uint64_t>0x100000001B3 + <uint64_t>0x9E3779B9
-    return check
+    return tract_check_word(GRANT_TAG, fields, 5)
 
 
 def grant_check(fields):

@@ -34,6 +34,7 @@ cdef extern from "sys/mman.h" nogil:
 cdef extern from "_cachectl.h" nogil:
     const char *TRACT_BUILD_PATH
     int TRACT_LINE
+    unsigned long long TRACT_CHECK_PRIME, TRACT_CHECK_ADD
     int TRACT_HAS_CLFLUSH, TRACT_HAS_CLFLUSHOPT, TRACT_HAS_CLWB, TRACT_HAS_SSE2
     int TRACT_HAS_AVX2, TRACT_HAS_AVX512F, TRACT_HAS_DC
     int TRACT_INSN_NONE, TRACT_INSN_CLFLUSH, TRACT_INSN_CLFLUSHOPT, TRACT_INSN_CLWB
@@ -58,6 +59,7 @@ cdef extern from "_cachectl.h" nogil:
     int TRACT_TRACE_FENCE, TRACT_TRACE_STORE_FENCE, TRACT_TRACE_LOAD_FENCE
 
 LINE = TRACT_LINE
+CHECK_PRIME, CHECK_ADD = TRACT_CHECK_PRIME, TRACT_CHECK_ADD  # tract.lines has the same
 BUILD_PATH = TRACT_BUILD_PATH.decode()
 
 INSTRUCTIONS = {

@@ -65,6 +65,7 @@ import numpy
 from tract import platform
 from tract._native import _region
 from tract.errors import BoundsError, ConfigError, TractError
+from tract.lines import LINE
 from tract.platform import CacheControl
 
 __all__ = [
@@ -80,7 +81,6 @@ __all__ = [
     "StaleRead",
 ]
 
-LINE = 64
 _FENCES = {"fence": _region.TRACE_FENCE, "store_fence": _region.TRACE_STORE_FENCE,
            "load_fence": _region.TRACE_LOAD_FENCE}
 _SIM_CONTROL = CacheControl("none", "simulated", "simulated", "simulated", "simulated",

@@ -23,8 +23,8 @@ from __future__ import annotations
 import dataclasses
 
 from tract.errors import CorruptionError
+from tract.lines import LINE
 
-LINE = 64
 
 
 @dataclasses.dataclass(frozen=True)

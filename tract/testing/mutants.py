@@ -85,6 +85,8 @@ SUITES: dict[str, list[str]] = {
     "tract.index": ["tests/test_index.py"],
     "tract.connector": ["tests/test_connector.py"],
     "tract.stats": ["tests/test_stats.py"],
+    "tract.pool": ["tests/test_pool.py", "tests/test_lock.py", "tests/test_index.py"],
+    "tract.cuda": ["tests/test_transfer.py"],
 }
 
 REGION_TESTS = ["tests/test_region.py::test_the_trace_records_each_primitive_of_its_own_thread",
