@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tract-installed
 SOURCES := pyproject.toml setup.py $(wildcard tract/_native/*.pyx tract/_native/*.pxd tract/_native/*.h)
 
-.PHONY: demo test test-tiers lane-protocol lane-engines mutants mutants-full test-fast test-vllm test-lmcache test-sglang \
+.PHONY: demo test test-tiers lane-protocol lane-engines mutants mutants-native mutants-full test-fast test-vllm test-lmcache test-sglang \
 	clean-envs flake bench asv model clean
 
 $(VENV)/bin/python:
@@ -60,13 +60,20 @@ lane-engines: $(STAMP)
 	$(MAKE) test-sglang
 	$(MAKE) model
 	$(MAKE) asv
+	$(MAKE) mutants-native
 
 # Each mutant runs only the simulated tests that execute its site (a
 # coverage map of the unmutated suites: in `make test`, the one the
 # pytest-sim tier recorded, at the same 200 seeds); mutants-full runs every mutant
 # against its whole suite, for when the selection itself is in doubt.
 mutants: $(STAMP)
-	$(TIER) mutants -- $(PY) -m tract.testing.mutants $(MUTANTS_FROM)
+	$(TIER) mutants -- $(PY) -m tract.testing.mutants --kind python $(MUTANTS_FROM)
+
+# The native sites (each mutant rebuilds only its own extension, in a scratch
+# copy, and runs its twin tests): no coverage map needed, so they run in the
+# engine lane, which has the room.
+mutants-native: $(STAMP)
+	$(TIER) mutants-native -- $(PY) -m tract.testing.mutants --kind native --jobs 1
 
 mutants-full: $(STAMP)
 	$(TIER) mutants-full -- $(PY) -m tract.testing.mutants --full --moves

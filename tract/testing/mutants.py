@@ -10,8 +10,8 @@ module, so no module can keep a reference to the original.  A mutant whose
 tests still pass *survives*, which means that call is either unneeded or
 untested — either way a finding.
 
-    python -m tract.testing.mutants [--json] [--module M] [--seeds N] [--jobs J] [--full]
-                                    [--coverage FILE] [--moves]
+    python -m tract.testing.mutants [--json] [--module M] [--kind K] [--seeds N]
+                                    [--jobs J] [--full] [--coverage FILE] [--moves]
 
 exits non-zero when any mutant survives (or a run errs), and with ``--json``
 prints ``{"sites": n, "killed": k, "survivors": [{"module", "line", "kind"}]}``.
@@ -523,6 +523,9 @@ def main(argv: list[str] | None = None) -> int:
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--module", action="append", choices=sorted(SUITES) + sorted(NATIVE_SUITES),
                         help="protocol module or native source to mutate (default: all)")
+    parser.add_argument("--kind", choices=("python", "native", "all"), default="all",
+                        help="mutate only the Python protocol modules, or only the native "
+                             "sources (default: all; --module narrows further)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--seeds", type=int, default=200,
                         help="simulator seeds per test for each mutant (default 200)")
@@ -539,7 +542,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--root", type=Path, default=Path.cwd(),
                         help="repository root holding the tests (default: .)")
     args = parser.parse_args(argv)
-    chosen = args.module or sorted(SUITES) + sorted(NATIVE_SUITES)
+    chosen = args.module or ((sorted(SUITES) if args.kind != "native" else []) +
+                             (sorted(NATIVE_SUITES) if args.kind != "python" else []))
     modules = [module for module in chosen if module in SUITES]
     natives = [source for source in chosen if source in NATIVE_SUITES]
 
