@@ -29,7 +29,7 @@ from tract.bench import Result
 
 SOURCES = Path(__file__).resolve().parent.parent / "_native"
 
-_BUILD = """
+BUILD_SCRIPT = """
 import sys
 import numpy
 from Cython.Build import cythonize
@@ -49,7 +49,7 @@ def build_extension(root: Path, extension: str, macros: tuple[tuple[str, str], .
     """Build one extension of ``tract._native`` in place under ``root`` (a
     copy of the package's sources at ``root/tract``).  Returns None, or the
     build's error output."""
-    done = subprocess.run([sys.executable, "-c", _BUILD.format(extension=extension,
+    done = subprocess.run([sys.executable, "-c", BUILD_SCRIPT.format(extension=extension,
                                                                macros=list(macros))],
                           cwd=root, capture_output=True, text=True, timeout=600)
     return None if done.returncode == 0 else (done.stdout + done.stderr)[-2000:]

@@ -40,7 +40,9 @@ the fast paths: every call of ``tract_lines``, ``tract_fence``,
 streaming and checksummed copies, with their partial-line write-backs), and
 every ``lines`` / ``fence`` call in the kernels of `NATIVE_SUITES`.  A
 ``.pyx`` mutant rebuilds only its own extension in the scratch copy (a
-header mutant, the extension that uses those primitives); a kernel mutant
+header mutant, the extension that uses those primitives; each build is
+kept under ``…/tract/mutants/builds``, keyed by every native source and the
+toolchain, so an unchanged mutant is not compiled twice); a kernel mutant
 is a mutated ``.py``.  Each runs its native suite (`NATIVE_SUITES`: the twin
 tests, which hold the fast path to its reference by result, bytes and
 cache-control trace), the test that killed it last time first.
@@ -57,13 +59,17 @@ import argparse
 import ast
 import concurrent.futures
 import dataclasses
+import hashlib
 import importlib.util
 import json
 import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tempfile
+import threading
+import time
 import types
 from pathlib import Path
 
@@ -416,8 +422,58 @@ def _native_overlay(site: Site, directory: Path) -> str | None:
     extension, _ = NATIVE_SUITES[site.module]
     if extension is None:
         return None
+    built = directory / "tract" / "_native" / (extension.rpartition(".")[2] +
+                                               sysconfig.get_config_var("EXT_SUFFIX"))
+    cached = _builds_dir() / f"{_build_key(directory, extension)}.so"
+    if cached.exists():  # this very mutant built before (same sources, same toolchain)
+        shutil.copyfile(cached, built)
+        os.utime(cached)
+        return None
     failed = build_extension(directory, extension)
-    return f"build failed: {failed[-400:]}" if failed else None
+    if failed:
+        return f"build failed: {failed[-400:]}"
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        partial = cached.with_suffix(f".{os.getpid()}.{threading.get_ident()}.part")
+        shutil.copyfile(built, partial)
+        partial.rename(cached)
+    except OSError:
+        pass  # the cache is only a speed-up
+    return None
+
+
+def _builds_dir() -> Path:
+    return _killers_file().parent / "builds"
+
+
+def _build_key(directory: Path, extension: str) -> str:
+    """What a mutant's build depends on: the extension, every native source
+    of the overlay (the mutated one among them), the build script and the
+    toolchain (interpreter, Cython, numpy, compiler)."""
+    import Cython
+    import numpy
+
+    from tract.bench import trace
+
+    digest = hashlib.sha256()
+    for part in (extension, sys.version, Cython.__version__, numpy.__version__,
+                 sysconfig.get_config_var("CC") or "", trace.BUILD_SCRIPT):
+        digest.update(part.encode() + b"\0")
+    for path in sorted((directory / "tract" / "_native").iterdir()):
+        if path.suffix in (".pyx", ".pxd", ".h"):
+            digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def prune_builds(days: float = 14.0) -> None:
+    """Drop cached mutant builds unused for ``days`` (each hit touches its file)."""
+    cutoff = time.time() - days * 86400
+    for path in _builds_dir().glob("*.so"):
+        try:
+            if path.stat().st_mtime < cutoff:
+                path.unlink()
+        except OSError:
+            pass
 
 
 def coverage_map(suite: tuple[str, ...], modules: list[str], root: Path, seeds: int,
@@ -606,6 +662,7 @@ def main(argv: list[str] | None = None) -> int:
     for site, outcome in zip(every, outcomes):
         if outcome.startswith("failed by "):
             killers[_site_key(site)] = outcome.removeprefix("failed by ")
+    prune_builds()
     try:
         killers_file.parent.mkdir(parents=True, exist_ok=True)
         killers_file.write_text(json.dumps(killers, indent=1, sort_keys=True) + "\n")
