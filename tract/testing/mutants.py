@@ -91,7 +91,7 @@ SUITES: dict[str, list[str]] = {
     "tract.index": ["tests/test_index.py"],
     "tract.connector": ["tests/test_connector.py"],
     "tract.stats": ["tests/test_stats.py"],
-    "tract.pool": ["tests/test_pool.py", "tests/test_lock.py", "tests/test_index.py"],
+    "tract.pool": ["tests/test_pool.py"],
     "tract.cuda": ["tests/test_transfer.py"],
 }
 
