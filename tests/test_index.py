@@ -479,6 +479,10 @@ def test_publish_lookup_pin_and_unpin(pool_path):
         hits = pool.index.pin(keys)
         assert len(hits) == 30 and [h.tokens for h in hits] == [16] * 30
         _read_hits(pool, hits, keys)
+        assert (hits.keys == keys[:30]).all()  # the arrays say what each `Hit` says
+        assert hits.checksums.dtype == np.uint64 and \
+            hits.checksums.tolist() == [hit.checksum for hit in hits]
+        assert hits.offsets.tolist() == [hit.offset for hit in hits]
         again = pool.index.pin(keys[:3])
         pool.index.unpin(hits)
         pool.index.unpin(again)

@@ -13,49 +13,40 @@ Prefix cache
 
 P/D handoff
     The prefill side `offer`s a request: its blocks are stored and pinned by
-    the prefill node, and a *handoff record* (the keys, a deadline, a random
-    nonce, a check word) is written to memory the prefill process allocates;
-    `offer` returns a *ticket* (the record's offset and nonce, a short
-    string) for the engine to pass to the decode side with the request
-    (vLLM: ``kv_transfer_params``).  The decode side `take`s it: reads and
-    checks the record, pins the blocks (its own pins), loads them, marks the
-    record taken and unpins.  No lock and no shared directory is involved:
-    one writer per line (the producer writes the record, decoders only its
-    *taken* line).  The prefill side's `release` (called by the cache
-    operations every `RELEASE_EVERY` seconds, and by the engine when it
-    likes) drops the pins of taken or expired offers; a record's memory is
-    freed a lease after its deadline, since a decoder marks it taken only
-    before the deadline.  A decode worker that never comes costs pins for
-    one TTL; a prefill worker that dies costs nothing more: pins of a dead
-    node do not count (R6), and its records go with its memory.
+    the prefill node, and a *handoff record* (`tract.handoff`: the keys, a
+    deadline, a random nonce, a check word) is written to memory the prefill
+    process allocates; `offer` returns a *ticket* (the record's offset and
+    nonce, a short string) for the engine to pass to the decode side with
+    the request (vLLM: ``kv_transfer_params``).  The decode side `take`s
+    it: reads and checks the record, pins the blocks (its own pins), loads
+    them, marks the record taken and unpins.  No lock and no shared
+    directory is involved: one writer per line (the producer writes the
+    record, decoders only its *taken* line).  The prefill side's `release`
+    (called by the cache operations every `RELEASE_EVERY` seconds, and by
+    the engine when it likes) drops the pins of taken or expired offers; a
+    record's memory is freed a lease after its deadline, since a decoder
+    marks it taken only before the deadline.  A decode worker that never
+    comes costs pins for one TTL; a prefill worker that dies costs nothing
+    more: pins of a dead node do not count (R6), and its records go with its
+    memory.
 
 Rules relied on: those of `tract.index` (pins, R3/R4 ordering of payloads
-and entries) and `tract.transfer` (payloads in memory before publish;
-checksums); for handoff records: R2 (the producer writes the record, a
-decoder only its taken line), R3 (the record is in memory before `offer`
-returns its ticket; the taken mark is flushed and fenced), R4 (a decoder
-reads the record fresh, and the producer the taken line), R5 (a ticket's
-offset is checked against the heap, the record's count against its range,
-and the whole record against its check word: a stale or reused record is a
-miss), R6 (a decoder writes its mark only while the producer node is live
-in the record's epoch and the deadline has not passed; the memory is freed
-a lease after the deadline).
+and entries), `tract.transfer` (payloads in memory before publish;
+checksums) and `tract.handoff` (the records, their checks and their
+lifetime); the connector itself touches no pool line.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import heapq
-import os
-import re
-import struct
 import typing
 from collections.abc import Sequence
 
 import numpy as np
 
-from tract._native._region import xxh64
 from tract.errors import LeaseLost, LockTimeout, PoolFull
+from tract.handoff import NO_OFFER, HandoffRecords, format_ticket
 from tract.hashing import BlockHasher
 from tract.index import Hits
 from tract.stats import COUNTERS
@@ -65,16 +56,6 @@ from tract.transfer import KVLayout, TransferEngine
 __all__ = ["NO_OFFER", "RELEASE_EVERY", "Connector", "Offer", "Stored", "Taken"]
 
 RELEASE_EVERY = 0.01  # seconds between the cache calls' checks of this process's offers
-LINE = 64
-# a handoff record: the head line, the taken line (decoders write it), then the keys
-_HEAD = struct.Struct("<8sQQQdQQ")  # magic, nonce, producer node, its epoch, deadline, count, check
-_CHECKED = 48  # head bytes under the check word (all but the check itself)
-_TAKEN_AT, _KEYS_AT = LINE, 2 * LINE
-_MAGIC = b"tractHO2"
-_TAKEN = 0x7A6B_656E_7461_6B65  # the taken word: nonce ^ this
-_TICKET = re.compile(r"tract:([0-9a-f]{1,16})\.([0-9a-f]{16})")
-#: the ticket of an offer a full pool had no room for: `take` loads nothing
-NO_OFFER = "tract:0.0000000000000000"
 
 
 @dataclasses.dataclass
@@ -108,15 +89,6 @@ class Taken:
     offered: int
 
 
-def _ticket(ticket: str) -> tuple[int, int]:
-    """(record offset, nonce) of a ticket `Connector.offer` returned."""
-    match = _TICKET.fullmatch(ticket) if isinstance(ticket, str) else None
-    if match is None:
-        raise ValueError(f"{ticket!r} is not a handoff ticket (tract:<offset hex>.<nonce hex>, "
-                         f"as Connector.offer returns)")
-    return int(match[1], 16), int(match[2], 16)
-
-
 class Connector:
     """One engine worker's view of the pool's KV cache."""
 
@@ -125,6 +97,7 @@ class Connector:
                  timeout: float | None = 30.0):
         self.pool, self.layout, self.index = pool, layout, pool.index
         self.transfer = TransferEngine(pool, layout, checksum=checksum)
+        self.handoff = HandoffRecords(pool)
         self.hasher = BlockHasher(pool.header.hash_key, layout.block_size,
                                   namespace=layout.namespace(), salt=salt)
         if not (isinstance(handoff_ttl, (int, float)) and 0 < handoff_ttl < float("inf")):
@@ -212,8 +185,7 @@ class Connector:
         short = np.flatnonzero(hits.lengths != self.layout.block_bytes)
         if short.size:  # another layout under this namespace: a miss, never a wrong copy
             count = int(short[0])
-        checksums = hits.entries[:count, 6] >> np.uint64(32)
-        good = self.transfer.load(hits.offsets[:count], blocks[:count], checksums)
+        good = self.transfer.load(hits.offsets[:count], blocks[:count], hits.checksums[:count])
         bad = np.flatnonzero(~good)
         loaded = int(bad[0]) if bad.size else count
         self._count(checksum_failures=int(bad.size), hit_blocks=loaded,
@@ -319,18 +291,8 @@ class Connector:
         hits = self.index.pin(keys)
         faults.point("handoff.pinned")
         deadline = self.pool.clock.wall() + (self.ttl if ttl is None else ttl)
-        nonce = int.from_bytes(os.urandom(8), "little") | 1
-        chosen = np.ascontiguousarray(hits.entries[:, :2]).tobytes()
-        head = _HEAD.pack(_MAGIC, nonce, self.pool.node, self.pool.epoch, deadline, len(hits), 0)
-        check = xxh64(head[:_CHECKED] + chosen, nonce)
-        body = head[:_CHECKED] + struct.pack("<Q", check) + bytes(_KEYS_AT - _HEAD.size) + chosen
         try:
-            record = self.index.alloc(len(body), self.timeout)
-            try:
-                self.pool.region.copy_in(record, body)  # in memory on return (R3)
-            except BaseException:
-                self.pool.free(record)
-                raise
+            record, nonce = self.handoff.write(hits.keys, deadline, self.timeout)
         except (PoolFull, LeaseLost, LockTimeout):  # no record: the decode side recomputes
             self.index.unpin(hits)
             self._count(not_offered=1)
@@ -338,7 +300,7 @@ class Connector:
         except BaseException:
             self.index.unpin(hits)
             raise
-        ticket = f"tract:{record:x}.{nonce:016x}"
+        ticket = format_ticket(record, nonce)
         self.offers[request_id] = Offer(request_id, ticket, hits, deadline, record, nonce)
         self._count(offers=1)
         return ticket
@@ -348,78 +310,26 @@ class Connector:
         offer taken.  An offer that is gone (expired, cancelled, its
         producer dead, its record reused) loads nothing: the engine
         recomputes."""
-        offset, nonce = _ticket(ticket)
-        if ticket == NO_OFFER:
+        record = self.handoff.read(ticket)  # raises `ValueError` for a string naming no record
+        if record is None:  # `NO_OFFER`, or an offer that is gone
             self._count(handoff_misses=1, miss_blocks=len(blocks))
             return Taken(0, 0)
-        low, high = self.index.heap
-        if offset % LINE or not low <= offset <= high - _KEYS_AT:
-            raise ValueError(f"handoff ticket {ticket!r} names offset {offset}, which is not a "
-                             f"line inside the heap [{low}, {high})")
-        record = self._record(offset, nonce, high)
-        if record is None:
-            self._count(handoff_misses=1, miss_blocks=len(blocks))
-            return Taken(0, 0)
-        node, epoch, deadline, keys = record
+        keys = record.keys
         hits = self.index.pin(keys[:len(blocks)])
         try:
             loaded = self._load_hits(hits, blocks)
-            self._mark_taken(offset, nonce, node, epoch, deadline)
+            self.handoff.mark_taken(record)
         finally:
             self.index.unpin(hits)
         self._count(takes=1, miss_blocks=min(len(blocks), keys.shape[0]) - loaded)
         return Taken(loaded, keys.shape[0])
 
-    def _record(self, offset: int, nonce: int, high: int):
-        """(producer node, epoch, deadline, keys) of the live handoff record
-        at ``offset`` with ``nonce``, read fresh (R4) and checked (R5); None
-        when there is none (expired, withdrawn, or the memory reused)."""
-        region = self.pool.region
-        region.invalidate(offset, LINE, payload=True)
-        region.fence()
-        head = region.read(offset, _HEAD.size)
-        magic, found, node, epoch, deadline, count, check = _HEAD.unpack(head)
-        if magic != _MAGIC or found != nonce or node >= self.pool.header.max_nodes or \
-                count > (high - offset - _KEYS_AT) // 16 or deadline < self.pool.clock.wall():
-            return None
-        region.invalidate(offset + _KEYS_AT, count * 16, payload=True)
-        region.fence()
-        chosen = region.read(offset + _KEYS_AT, count * 16)
-        if xxh64(head[:_CHECKED] + chosen, nonce) != check:
-            return None
-        return node, epoch, deadline, np.frombuffer(chosen, np.uint64).reshape(count, 2)
-
-    def _mark_taken(self, offset: int, nonce: int, node: int, epoch: int,
-                    deadline: float) -> None:
-        """Write the record's taken line while its producer (node, epoch)
-        is live and the deadline is ahead: the producer frees a record no
-        sooner than a lease past its deadline, and a dead node's memory only
-        once its lease lapsed (R6), so the mark never lands in reused
-        memory."""
-        if self.pool.nodes.read(node)[1] != epoch or not self.pool.space.liveness.live(node) \
-                or self.pool.clock.wall() >= deadline:
-            return
-        self.pool.region.store_u64(offset + _TAKEN_AT, nonce ^ _TAKEN)
-        self.pool.region.flush(offset + _TAKEN_AT, LINE)
-        self.pool.region.fence()  # in memory when `take` returns (R3)
-
-    def _taken(self) -> list[bool]:
-        """Whether each offer's taken line holds its mark, read fresh (R4):
-        one drop of all the lines, one fence."""
-        region, offers = self.pool.region, list(self.offers.values())
-        lines = np.array([offer.record + _TAKEN_AT for offer in offers], dtype=np.int64)
-        region.invalidate_lines(lines, payload=True)
-        region.fence()
-        return [region.load_u64(offer.record + _TAKEN_AT) == offer.nonce ^ _TAKEN
-                for offer in offers]
-
     def _retire(self, offer: Offer) -> None:
         """Drop an offer's pins; its record is freed a lease after its
-        deadline (`_mark_taken`)."""
+        deadline (`HandoffRecords.free_at`)."""
         self.index.unpin(offer.hits)
         faults.point("handoff.released")
-        free_at = offer.deadline + self.pool.header.lease_timeout
-        heapq.heappush(self._retired, (free_at, offer.record))
+        heapq.heappush(self._retired, (self.handoff.free_at(offer.deadline), offer.record))
 
     def _free_retired(self, now: float) -> None:
         while self._retired and self._retired[0][0] <= now:
@@ -438,7 +348,8 @@ class Connector:
         expired, and free the records whose time has come; returns how
         many offers ended."""
         now, done = self.pool.clock.wall(), []
-        marks = self._taken() if self.offers else []
+        marks = self.handoff.taken([(offer.record, offer.nonce)
+                                    for offer in self.offers.values()]) if self.offers else []
         for (request_id, offer), taken in zip(self.offers.items(), marks):
             if taken:
                 done.append(request_id)
@@ -456,10 +367,7 @@ class Connector:
         offer = self.offers.pop(request_id, None)
         if offer is None:
             return
-        region = self.pool.region
-        region.store_u64(offer.record, 0)  # the magic: a decoder finds no offer
-        region.flush(offer.record, LINE)
-        region.fence()
+        self.handoff.withdraw(offer.record)
         self._retire(offer)
 
     def close(self) -> None:

@@ -107,12 +107,22 @@ class Hits:
         return (self[row] for row in range(len(self)))
 
     @property
+    def keys(self) -> np.ndarray:
+        """Block keys, (n, 2) uint64 (low, high)."""
+        return self.entries[:, :2]
+
+    @property
     def offsets(self) -> np.ndarray:
         return self.entries[:, 4].astype(np.int64)
 
     @property
     def lengths(self) -> np.ndarray:
         return self.entries[:, 5].astype(np.int64)
+
+    @property
+    def checksums(self) -> np.ndarray:
+        """Payload checksums (uint64; word 6's high half)."""
+        return self.entries[:, 6] >> np.uint64(32)
 
 
 @dataclasses.dataclass(frozen=True)

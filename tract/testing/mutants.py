@@ -89,6 +89,7 @@ SUITES: dict[str, list[str]] = {
     "tract.alloc": ["tests/test_alloc.py"],
     "tract.objects": ["tests/test_objects.py"],
     "tract.index": ["tests/test_index.py"],
+    "tract.handoff": ["tests/test_connector.py"],
     "tract.connector": ["tests/test_connector.py"],
     "tract.stats": ["tests/test_stats.py"],
     "tract.pool": ["tests/test_pool.py"],
