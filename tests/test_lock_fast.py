@@ -281,23 +281,26 @@ def test_cohort_sweep_matches_its_reference(quiet):
     name = "tract._native._lockfast.ManagerFastPath.sweep"
     seen = set()
     for state in itertools.islice(_states(), 0, None, 16):
-        for held, tier1 in itertools.product((0, 6), ("free", "busy", "dead")):
+        for held, tier1, stale in itertools.product((0, 6), ("free", "busy", "dead"),
+                                                    (True, False)):
             _write(pool, index, state)
             words = (held, 0, 3)
             area = [(pool.layout.offset, pool.layout.nbytes)]
-            want, got = twins.both(pool.region, area,
-                                   _cohort_twin(pool, index, words, tier1, reference.sweep,
-                                                lambda result: None),
-                                   _cohort_twin(pool, index, words, tier1, fast.sweep,
-                                                lambda result: None))
-            twins.check(name, want, got, context=(state, words, tier1))
-            seen.add(want.result[0])
-            died = mutex.try_acquire()  # free again; still a dead holder's if nobody swept
-            assert died is False or (not held and tier1 == "dead")
-            if died:
-                mutex.consistent()
+            want, got = twins.both(
+                pool.region, area,
+                _cohort_twin(pool, index, words, tier1, lambda: reference.sweep(stale),
+                             lambda result: None),
+                _cohort_twin(pool, index, words, tier1, lambda: fast.sweep(stale),
+                             lambda result: None))
+            twins.check(name, want, got, context=(state, words, tier1, stale))
+            swept, words_after = want.result
+            seen.add((swept, tier1, stale, held))
+            # a dead holder's hold is always given back; a standing hand-off only when stale
+            assert swept == (tier1 == "dead" or (tier1 == "free" and stale and held > 0))
+            assert words_after[0] == (0 if swept else held)
+            assert mutex.try_acquire() is False  # free again, and consistent
             mutex.release()
-    assert seen == {True, False}
+    assert {swept for swept, *_ in seen} == {True, False}
 
 
 def test_uncontended_acquire_takes_the_sticky_grant_natively(pool_path):
@@ -388,6 +391,8 @@ def test_sweep_gives_back_a_hand_off_nobody_took(pool):
     lock.fast.release()
     pool._local.region.store_u64(slot, 0)
     assert lock.fast.slot_words()[0] == 6  # handed over, to nobody
+    assert lock.fast.sweep(stale=False) is False  # not yet a whole beat
+    assert lock.fast.slot_words()[0] == 6
     assert lock.fast.sweep() is True
     request = pool.layout.request_line(index, NODE)
     assert pool.region.load_u64s(request, 3) == (2, 2, 2)  # announced once, given back

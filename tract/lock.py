@@ -453,8 +453,9 @@ class Cohort:
     memory; every `PASSES_PER_CHECK` passes it first reads the grant line
     (R4) and gives the grant back instead when it is revoking, lost, torn or
     bad (the fencing token is what guards the data: R6).  The bound keeps the
-    other nodes from starving.  A hand-off nobody takes is given back by
-    `sweep`, which the heartbeat runs.
+    other nodes from starving.  A hand-off nobody takes, and the hold of a
+    process that died holding tier 1, are given back by `sweep`, which the
+    heartbeat runs.
     """
 
     def __init__(self, space: LockSpace, lock: int, name: str, local, slot: int, mutex,
@@ -536,14 +537,15 @@ class Cohort:
         self._set(HELD, 0)
         self._set(PASSES, 0)
 
-    def sweep(self) -> bool:
-        """Give back a hand-off no local process took.  True if it did."""
-        if not self._word(HELD):
-            return False
+    def sweep(self, stale: bool = True) -> bool:
+        """Give back the tier-2 hold of a local process that died holding
+        tier 1 (no other may take the lock again, and the pool would wait on
+        this node for ever), or, when ``stale``, a hand-off no local process
+        took.  True if it did."""
         died = self.mutex.try_acquire()
         if died is None:
             return False
-        swept = died or self._word(HELD) != 0
+        swept = died or (stale and self._word(HELD) != 0)
         if swept:
             self.repair()
         if died:

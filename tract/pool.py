@@ -478,9 +478,11 @@ class Pool:
         return fast
 
     def _beat(self) -> None:
-        """Beat every quarter lease; give back a cohort hand-off of this node
-        that no local process took for a whole beat (its waiter timed out or
-        died)."""
+        """Beat every quarter lease; sweep each cohort lock: give back the
+        tier-2 hold of a local process that died holding tier 1 (when no
+        other local process takes that lock again, nothing else would), and a
+        hand-off that no local process took for a whole beat (its waiter
+        timed out or died)."""
         nodes = NodeTable(self.region, self.header.node_table, self.header.max_nodes)
         cohorting = self._local is not None and self.header.lock_mode_name == "manager"
         seen: dict[int, tuple[int, int, int]] = {}
@@ -491,11 +493,11 @@ class Pool:
                 self.allocator.drain()
             except TractError as error:  # a corrupt ring must not stop the heartbeat
                 self.allocator.rejected.append(str(error))
-            if cohorting:
+            if cohorting:  # a hand-off that stood still a whole beat is stale
                 for index in self._names.values():
                     words = self._fast_path(index).slot_words()
-                    if words[0] and seen.get(index) == words:
-                        self._fast_path(index).sweep()
+                    self._fast_path(index).sweep(stale=bool(words[0]) and
+                                                 seen.get(index) == words)
                     seen[index] = words
 
     def _await_take_over(self, lock_manager: LockManager) -> None:

@@ -34,8 +34,9 @@ every holder checks before publishing, is what guards the data).  The bound
 keeps other nodes from starving: the manager never takes back a grant whose
 request is still in use.  ``held`` and ``passes`` change only
 under the mutex; a holder that dies is repaired by the next (EOWNERDEAD:
-tier 2 given back, slot cleared); a hand-off nobody takes (a waiter that
-timed out) is given back by `sweep`, which every process's heartbeat runs.
+tier 2 given back, slot cleared), or by `sweep`, which every process's
+heartbeat runs, when no local process takes the lock again; `sweep` also
+gives back a hand-off nobody took (a waiter that timed out).
 
 Rules relied on (DESIGN.md): R2 — the request line is written only by this
 node, the slot only under its mutex; R3 — the request line is flushed and
@@ -258,17 +259,17 @@ cdef class ManagerFastPath:
         """After OWNER_DIED (or a failed wait): give tier 2 back, clear the slot."""
         self._give_back(self._slot())
 
-    def sweep(self):
-        """Give back a hand-off no local process took.  True if it did."""
+    def sweep(self, bint stale=True):
+        """Give back the tier-2 hold of a local process that died holding
+        tier 1, or, when ``stale``, a hand-off no local process took.  True
+        if it did."""
         cdef uint64_t *slot = self._slot()
-        if not slot[HELD_WORD]:
-            return False
         cdef int code = pthread_mutex_trylock(self.mutex._mutex)
         if code == EBUSY:
             return False
         if code != 0 and code != EOWNERDEAD:
             raise_code(code, "pthread_mutex_trylock", self.mutex._where)
-        swept = code == EOWNERDEAD or slot[HELD_WORD] != 0
+        swept = code == EOWNERDEAD or (stale and slot[HELD_WORD] != 0)
         if swept:
             self._give_back(slot)
         if code == EOWNERDEAD:
