@@ -148,9 +148,12 @@ def test_fsck_finds_and_repairs_a_corrupted_allocator(pool_path):
 # ------------------------------------------------- publishing a pool, simulated
 
 def _published(seed, chaos):
-    """Host 0 formats a pool while host 1 waits for its magic, reads the
-    header and checks every field against host 0's; then host 0 unpublishes
-    it and host 1 must find it gone.  Returns the simulator."""
+    """Host 0 formats a pool while host 1 polls for its magic: once host 1
+    sees it, the header it reads must match host 0's field for field, and
+    once `format_pool` has returned host 1 must see it (host 0 touches no
+    line after it returns: nothing but `format_pool`'s own flushes and fence
+    may have made it visible).  Then host 0 unpublishes it and host 1 must
+    find it gone.  Returns the simulator."""
     from tract.pool import Header, format_pool, unpublish
     from tract.testing.incoherent import SimPool, SimulationFailure
 
@@ -165,24 +168,29 @@ def _published(seed, chaos):
     def formatter(host):
         format_pool(host, max_nodes=2, locks=("alloc", "objects"), max_locks=2,
                     chunk_size=8192, max_objects=16, index_capacity=64, lease_timeout=0.004)
-        seen["formatted"] = fields(Header(host))
-        while not done:
+        done.append("formatted")
+        while len(done) < 2:
             sim.clock.sleep(1e-5)
+        seen["formatted"] = fields(Header(host))
         unpublish(host)
         done.append("unpublished")
 
     def opener(host):
         while True:
+            returned = bool(done)  # judged before the attempt
             try:
                 header = Header(host)
                 break
             except CorruptionError as error:
                 if "is not a tract pool" not in str(error):
                     raise
+                if returned:
+                    raise SimulationFailure("host 1 does not see the pool after format_pool "
+                                            "returned on host 0", seed) from error
                 sim.clock.sleep(1e-5)  # not published yet
         seen["opened"] = fields(header)
         done.append("opened")
-        while len(done) < 2:
+        while len(done) < 3:
             sim.clock.sleep(1e-5)
         try:
             Header(host)
