@@ -63,6 +63,39 @@ def test_mailbox_holds_under_every_seed(chaos):
         exercise(mailbox, seed, chaos)
 
 
+@pytest.mark.sim
+def test_a_flag_read_once_sees_the_last_publication():
+    """R4 for one poll, not only for a loop: a flag published (stored,
+    flushed, fenced) by host 1 before host 0 reads it once is what host 0
+    reads, though host 0 holds a stale copy of its line (a read whose fence
+    comes before its invalidate returns that copy: a poll would only catch up
+    one poll later)."""
+    ring = mailbox.Ring(SLOTS, PAYLOAD)
+    flag = ring.flag(0)
+    for seed in range(max(1, SEEDS // 20)):
+        pool = SimPool(ring.nbytes, hosts=2, seed=seed, chaos=0.0, max_steps=4000)
+        published = []
+
+        def reader(region):
+            region.load_u64(flag)  # the line is in this host's cache, as 0
+            published.append("cached")
+            while len(published) < 2:
+                pool.clock.sleep(1e-6)
+            return mailbox._read_flag(region, ring, flag, 0)
+
+        def writer(region):
+            while not published:
+                pool.clock.sleep(1e-6)
+            region.store_u64(flag, 1)
+            region.flush(flag, 8)
+            region.fence()
+            published.append("published")
+
+        seen, _ = pool.run(reader, writer)
+        if seen != 1:
+            raise SimulationFailure(f"host 0 read the flag as {seen} after its publication", seed)
+
+
 # ------------------------------------------------------- broken variants
 
 def _variant(function: str, kind: str):
