@@ -181,3 +181,39 @@ def test_no_module_repeats_a_shared_constant():
             if re.search(pattern, text, re.MULTILINE | re.IGNORECASE):
                 found.append((name, pattern))
     assert found == []
+
+
+# ------------------------------------------------------------------- fsck
+
+SYNC_ATTRIBUTES = {"flush", "invalidate", "fence", "writeback"}
+
+
+def _foreign_reaches(tree):
+    """(line, what) of every cache-control call, every underscore attribute
+    of something other than ``self`` or ``cls``, and every underscore name
+    imported, in ``tree``."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            if node.attr in SYNC_ATTRIBUTES:
+                yield node.lineno, f".{node.attr}"
+            elif node.attr.startswith("_") and not (
+                    isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                yield node.lineno, f".{node.attr}"
+        elif isinstance(node, ast.ImportFrom):
+            for alias in node.names:
+                if alias.name.startswith("_"):
+                    yield node.lineno, f"import {alias.name}"
+
+
+def test_fsck_only_orchestrates():
+    """fsck issues no cache control and reaches into no other object's
+    underscore names: each mechanism owns its layout, its fresh reads (R4),
+    its checks (R5) and its flushed repairs (R3)."""
+    tree = ast.parse((ROOT / "fsck.py").read_text())
+    assert list(_foreign_reaches(tree)) == []
+
+
+def test_the_fsck_rule_sees_what_it_looks_for():
+    tree = ast.parse("self._a()\nregion.fence()\npool.allocator._bitmap()\n"
+                     "from tract.lock import _x\ncls._b\n")
+    assert sorted(_foreign_reaches(tree)) == [(2, ".fence"), (3, "._bitmap"), (4, "import _x")]

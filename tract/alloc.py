@@ -29,6 +29,11 @@ to the Python steps here):
   only with its node; the blocks in a live node's slabs of a process that
   is gone, by that node's own processes, once nothing referenced them at
   two looks a lease apart (`Allocator.reclaim_dead_blocks`);
+- fsck (`Allocator.check`, under the lock for ``--repair``): the cursor,
+  the bitmap and every owner record read fresh and range-checked, each
+  chunk classed free, owned or referenced, extents checked whole; its
+  repairs (`set_cursor`, `clear_owner`, `release_chunks`) are the
+  allocator's own, flushed and fenced here;
 - a free of memory whose reference was dropped just before (eviction)
   names the owner record read while the reference stood
   (`Allocator.payload_owner`, `Allocator.free_of`): memory reclaimed in
@@ -65,7 +70,7 @@ from tract.lease import ALIVE
 from tract.lines import LINE
 from tract import _failpoints as faults
 
-__all__ = ["AllocLayout", "Allocator", "FreeRing", "KINDS"]
+__all__ = ["AllocLayout", "Allocator", "Finding", "FreeRing", "KINDS", "Reference"]
 
 OWNER_BYTES = 32
 _RECORD = struct.Struct("<4Q")  # owner word (node + 1 | kind << 16 | pid << 32), epoch, run
@@ -194,6 +199,31 @@ class Owner(typing.NamedTuple):
     pid: int
     epoch: int
     run: int  # head: chunks in the extent; tail: the head's chunk; slab: 1
+
+
+class Reference(typing.NamedTuple):
+    """A record of another mechanism that points into the heap, for
+    `Allocator.check`: its area and offset, what it is, and the repair that
+    drops it (returns what it did)."""
+
+    area: str
+    offset: int
+    what: str
+    repair: typing.Callable[[], str] | None
+
+
+class Finding(typing.NamedTuple):
+    """What `Allocator.check` found at ``offset`` of ``area``: a problem,
+    or (``reclaimable``) memory of an owner that is gone which nothing
+    references, which the allocator takes back by itself when it needs
+    room.  ``repair`` (None: there is none) fixes it, under the ``alloc``
+    lock, and returns what it did."""
+
+    area: str
+    offset: int
+    text: str
+    repair: typing.Callable[[], str] | None
+    reclaimable: bool = False
 
 
 class Allocator:
@@ -532,6 +562,136 @@ class Allocator:
             for chunk, count, _ in reclaimed:
                 self._release(chunk, count, words)
         return reclaimed
+
+    # --------------------------------------------------------------- fsck
+
+    def check(self, referenced: dict[int, list[Reference]], local_nodes: set[int]
+              ) -> tuple[dict[str, int], list[Finding]]:
+        """Prove every chunk exactly one of free (bit clear, no owner),
+        owned (bit set, a live owner) or referenced (bit set, something in
+        ``referenced``, chunk -> the records pointing into it), and every
+        extent whole (a head whose tails point back at it), for fsck.  The
+        cursor, the bitmap and every owner record are read fresh (R4, one
+        fence) and range-checked (R5): a cursor past the last chunk, bits
+        set past it, owner records that are not valid, taken chunks with no
+        owner (leaked), owners of free chunks and references into them are
+        problems; an unreferenced allocation of a dead owner (`dead_owner`;
+        ``local_nodes``: the nodes whose pids are this host's, R6) is
+        reclaimable.  Returns the chunk counts by class and the findings,
+        in chunk order; their repairs are the ones below."""
+        region, layout, nchunks = self.region, self.layout, self.nchunks
+        region.invalidate(layout.cursor_line, LINE)
+        words = self._bitmap()
+        self._fresh_owners(0, nchunks)
+        region.fence()
+        found: list[Finding] = []
+
+        def problem(where, text, repair=None):
+            found.append(Finding("allocator", where, text, repair))
+
+        cursor = region.load_u64(layout.cursor_line)
+        if cursor >= nchunks:
+            problem(layout.cursor_line, f"cursor {cursor} is past the last chunk "
+                    f"({nchunks - 1})", lambda: self.set_cursor(0))
+        bits = np.unpackbits(words.view(np.uint8), bitorder="little")
+        beyond = np.flatnonzero(bits[nchunks:]) + nchunks
+        if beyond.size:
+            problem(layout.bitmap, f"bits set past the last chunk: {beyond[:8].tolist()}")
+        counts = dict(free=0, owned=0, referenced=0, slab=0, reclaimable=0, leaked=0)
+        owners = {}
+        for chunk in range(nchunks):
+            try:
+                owners[chunk] = self.owner(chunk)
+            except CorruptionError as error:
+                owners[chunk] = None
+                problem(layout.owner(chunk), str(error),
+                        None if bits[chunk] else (lambda c=chunk: self.clear_owner(c)))
+        chunk = 0
+        while chunk < nchunks:
+            owner, taken = owners[chunk], bool(bits[chunk])
+            where = layout.owner(chunk)
+            if not taken:
+                if owner is not None and owner.kind != FREE:
+                    problem(where, f"chunk {chunk} is free in the bitmap but its owner record "
+                            f"says {KINDS[owner.kind]} of node {owner.node}",
+                            lambda c=chunk: self.clear_owner(c))
+                for reference in referenced.get(chunk, []):
+                    found.append(Finding(reference.area, reference.offset,
+                                         f"{reference.what} points into free chunk {chunk}",
+                                         reference.repair))
+                counts["free"] += 1
+                chunk += 1
+                continue
+            if owner is None or owner.kind == FREE:
+                if chunk in referenced:
+                    problem(where, f"chunk {chunk} is taken and referenced but has no owner "
+                            f"record")
+                else:
+                    counts["leaked"] += 1
+                    problem(where, f"chunk {chunk} is taken in the bitmap with no owner "
+                            f"(leaked)", lambda c=chunk: self.release_chunks(c, 1))
+                chunk += 1
+                continue
+            if owner.kind == TAIL:
+                problem(where, f"chunk {chunk} is a tail of chunk {owner.run} whose extent "
+                        f"does not cover it",
+                        None if chunk in referenced else
+                        (lambda c=chunk: self.release_chunks(c, 1)))
+                chunk += 1
+                continue
+            count = owner.run if owner.kind == HEAD else 1
+            broken = [c for c in range(chunk + 1, chunk + count)
+                      if not bits[c] or owners[c] is None or owners[c].kind != TAIL
+                      or owners[c].run != chunk]
+            if broken:
+                problem(where, f"extent at chunk {chunk} ({count} chunks) has broken tails "
+                        f"{broken[:8]}")
+                chunk += 1
+                continue
+            is_referenced = any(c in referenced for c in range(chunk, chunk + count))
+            if owner.kind == SLAB:
+                counts["slab"] += count
+            elif is_referenced:
+                counts["referenced"] += count
+            else:
+                counts["owned"] += count
+            if not is_referenced and self.dead_owner(owner, owner.node in local_nodes):
+                counts["reclaimable"] += count
+                found.append(Finding(
+                    "allocator", where, f"{KINDS[owner.kind]} at chunk {chunk} ({count} "
+                    f"chunks) of node {owner.node} epoch {owner.epoch} pid {owner.pid}, which "
+                    f"is gone, is referenced by nothing",
+                    lambda c=chunk, n=count: self.release_chunks(c, n), reclaimable=True))
+            chunk += count
+        counts["total"] = nchunks
+        return counts, found
+
+    def set_cursor(self, chunk: int) -> str:
+        """Point the cursor at ``chunk`` (fsck --repair, under the ``alloc``
+        lock): stored, flushed, fenced (R3); returns what it did."""
+        line = self.layout.cursor_line
+        self.region.store_u64(line, chunk)
+        self.region.flush(line, 8)
+        self.region.fence()
+        return f"set offset {line} to {chunk}"
+
+    def clear_owner(self, chunk: int) -> str:
+        """Zero chunk ``chunk``'s owner record (fsck --repair, under the
+        ``alloc`` lock, for a chunk whose bit is clear): written, flushed,
+        fenced (R3); returns what it did."""
+        record = self.layout.owner(chunk)
+        self.region.fill(record, OWNER_BYTES, 0)
+        self.region.flush(record, OWNER_BYTES)
+        self.region.fence()
+        return f"cleared the owner record of chunk {chunk}"
+
+    def release_chunks(self, first: int, count: int) -> str:
+        """Return chunks [first, first + count) to the pool whatever their
+        records say (fsck --repair, under the ``alloc`` lock, whose release
+        fences the last flush, R3): bits, then owner records; returns what
+        it did."""
+        self._release(first, count)
+        return f"returned chunks {first}..{first + count - 1} to the pool"
 
     # ------------------------------------------------------------ objects
 

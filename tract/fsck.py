@@ -19,6 +19,12 @@ not a problem: the allocator takes it back by itself when it needs room
 (dead owners' chunks, `Allocator.reclaimable`; blocks of a live node's slab
 whose process is gone, `Allocator.reclaim_dead_blocks`).
 
+Each mechanism owns its layout, its checks and its repairs (the lock area:
+`LockSpace.check`; the chunks: `Allocator.check` and its repairs; records
+and entries: `ObjectStore.scan`, `Index.scan`); fsck only orchestrates, and
+issues no cache control of its own: every fresh read (R4) and every
+flushed, fenced repair (R3) is the mechanism's.
+
 Owners are judged dead as the allocator judges them (`Allocator.dead_owner`):
 a node epoch that is not current, a node that left or whose heartbeat stood
 still for a lease (fsck watches the heartbeats for one lease first), or, on
@@ -34,13 +40,10 @@ from __future__ import annotations
 
 import contextlib
 
-import numpy as np
-
 from tract._native._localmutex import LocalMutex
 from tract._native._nodeheap import NodeHeap
-from tract.alloc import FREE, HEAD, KINDS, OWNER_BYTES, SLAB, TAIL, pid_alive
+from tract.alloc import KINDS, SLAB, Reference, pid_alive
 from tract.errors import CorruptionError
-from tract.lock import GRANT_STATES, grant_check
 from tract.pool import MEMBERS, SLAB_MIN_BLOCK, Pool, NodeLocal
 from tract.region import open_region
 
@@ -66,7 +69,7 @@ def fsck(path: str, *, repair: bool = False, node: int | None = None,
 class _Check:
     def __init__(self, pool: Pool, repair: bool, watch: bool):
         self.pool, self.repair, self.watch = pool, repair, watch
-        self.region, self.header = pool.region, pool.header
+        self.header = pool.header
         self.allocator = pool.allocator
         self.problems: list[dict] = []
         self.reclaimable: list[dict] = []
@@ -127,41 +130,24 @@ class _Check:
         self._observe()
 
     def _locks(self) -> None:
-        layout, region = self.pool.layout, self.region
-        line = layout.manager_line
-        region.invalidate(layout.offset, layout.nbytes)
-        region.fence()
-        manager = region.load_u64(line)
-        if manager > self.header.max_nodes:
-            self.problem("lock area", line, f"manager line names node {manager - 1}")
-        for lock in range(self.header.max_locks + 1):
-            for owner in range(self.header.max_nodes):
-                grant = layout.grant_line(lock, owner)
-                *fields, check = region.load_u64s(grant, 6)
-                if not any(fields) and not check:
-                    continue
-                if check != grant_check(fields):
-                    self.problem("lock area", grant, f"grant line of lock {lock} by manager "
-                                 f"{owner} is torn (check word)")
-                elif fields[1] not in GRANT_STATES or fields[0] > self.header.max_nodes:
-                    self.problem("lock area", grant, f"grant line of lock {lock} by manager "
-                                 f"{owner} has holder {fields[0] - 1}, state {fields[1]}")
+        for offset, text in self.pool.space.check():
+            self.problem("lock area", offset, text)
 
     # ------------------------------------------------------------ allocator
 
-    def _references(self) -> dict[int, list]:
-        """chunk -> [(area, record offset, what, fix)] of the object records
-        and index entries that point into it."""
-        referenced: dict[int, list] = {}
+    def _references(self) -> dict[int, list[Reference]]:
+        """chunk -> the object records and index entries that point into
+        it; torn ones and short reaches are problems."""
+        referenced: dict[int, list[Reference]] = {}
 
         def refer(offset, size, area, where, what, fix):
             for chunk in range(self.allocator.chunk_of(offset),
                                self.allocator.chunk_of(offset + size - 1) + 1):
-                referenced.setdefault(chunk, []).append((area, where, what, fix))
+                referenced.setdefault(chunk, []).append(Reference(area, where, what, fix))
 
         objects = self.pool.objects
         for index, state, record, problem in objects.scan():
-            where = objects.offset + index * 128
+            where = objects.record_offset(index)
             if state == "bad":
                 self.problem("objects", where, problem,
                              lambda index=index: self._tombstone(index, "torn record cleared"))
@@ -170,14 +156,14 @@ class _Check:
                       lambda i=index: self._tombstone(i, "dangling record removed"))
         index = self.pool.index
         for slot, state, payload, problem in index.scan():
-            where = index.base + slot * 64
+            where = index.entry_offset(slot)
             fix = lambda s=slot: self._clear_entry(s)  # noqa: E731
             if state == "bad":
                 self.problem("index", where, problem, fix)
             elif payload is not None:
                 refer(*payload, "index", where, f"index entry {slot} ({state})", fix)
         for home, reach, farthest in index.short_reaches():
-            self.problem("index", index.base + home * 64,
+            self.problem("index", index.entry_offset(home),
                          f"index slot {home} reaches {reach} slots but an entry homed there "
                          f"lies {farthest} past it",
                          lambda h=home, f=farthest: self._raise_reach(h, f))
@@ -196,105 +182,14 @@ class _Check:
         return what
 
     def _allocator(self) -> dict:
-        allocator, region, layout = self.allocator, self.region, self.allocator.layout
-        nchunks = allocator.nchunks
-        region.invalidate(layout.cursor_line, 64)
-        words = allocator._bitmap()
-        allocator._fresh_owners(0, nchunks)
-        region.fence()
-        cursor = region.load_u64(layout.cursor_line)
-        if cursor >= nchunks:
-            self.problem("allocator", layout.cursor_line, f"cursor {cursor} is past the last "
-                         f"chunk ({nchunks - 1})", lambda: self._store(layout.cursor_line, 0))
-        bits = np.unpackbits(words.view(np.uint8), bitorder="little")
-        beyond = np.flatnonzero(bits[nchunks:]) + nchunks
-        if beyond.size:
-            self.problem("allocator", layout.bitmap, f"bits set past the last chunk: "
-                         f"{beyond[:8].tolist()}")
-        referenced = self._references()
-        local = self.pool.nodes_on_this_host()
-        counts = dict(free=0, owned=0, referenced=0, slab=0, reclaimable=0, leaked=0)
-        owners = {}
-        for chunk in range(nchunks):
-            where = layout.owner(chunk)
-            try:
-                owners[chunk] = allocator.owner(chunk)
-            except CorruptionError as error:
-                owners[chunk] = None
-                fix = None if bits[chunk] else (lambda c=chunk: self._clear_owner(c))
-                self.problem("allocator", where, str(error), fix)
-        chunk = 0
-        while chunk < nchunks:
-            owner, taken = owners[chunk], bool(bits[chunk])
-            where = layout.owner(chunk)
-            if not taken:
-                if owner is not None and owner.kind != FREE:
-                    self.problem("allocator", where, f"chunk {chunk} is free in the bitmap but "
-                                 f"its owner record says {KINDS[owner.kind]} of node "
-                                 f"{owner.node}", lambda c=chunk: self._clear_owner(c))
-                for area, where_ref, what, fix in referenced.get(chunk, []):
-                    self.problem(area, where_ref, f"{what} points into free chunk {chunk}", fix)
-                counts["free"] += 1
-                chunk += 1
-                continue
-            if owner is None or owner.kind == FREE:
-                if chunk in referenced:
-                    self.problem("allocator", where, f"chunk {chunk} is taken and referenced "
-                                 f"but has no owner record")
-                else:
-                    counts["leaked"] += 1
-                    self.problem("allocator", where, f"chunk {chunk} is taken in the bitmap with "
-                                 f"no owner (leaked)", lambda c=chunk: self._free(c, 1))
-                chunk += 1
-                continue
-            if owner.kind == TAIL:
-                fix = None if chunk in referenced else (lambda c=chunk: self._free(c, 1))
-                self.problem("allocator", where, f"chunk {chunk} is a tail of chunk {owner.run} "
-                             f"whose extent does not cover it", fix)
-                chunk += 1
-                continue
-            count = owner.run if owner.kind == HEAD else 1
-            broken = [c for c in range(chunk + 1, chunk + count)
-                      if not bits[c] or owners[c] is None or owners[c].kind != TAIL
-                      or owners[c].run != chunk]
-            if broken:
-                self.problem("allocator", where, f"extent at chunk {chunk} ({count} chunks) has "
-                             f"broken tails {broken[:8]}")
-                chunk += 1
-                continue
-            span = range(chunk, chunk + count)
-            is_referenced = any(c in referenced for c in span)
-            if owner.kind == SLAB:
-                counts["slab"] += count
-            elif is_referenced:
-                counts["referenced"] += count
-            else:
-                counts["owned"] += count
-            if not is_referenced and allocator.dead_owner(owner, owner.node in local):
-                counts["reclaimable"] += count
-                self.reclaim("allocator", where, f"{KINDS[owner.kind]} at chunk {chunk} "
-                             f"({count} chunks) of node {owner.node} epoch {owner.epoch} pid "
-                             f"{owner.pid}, which is gone, is referenced by nothing",
-                             lambda c=chunk, n=count: self._free(c, n))
-            chunk += count
-        counts["total"] = nchunks
+        """The object records and index entries, then every chunk
+        (`Allocator.check`)."""
+        counts, findings = self.allocator.check(self._references(),
+                                                self.pool.nodes_on_this_host())
+        for finding in findings:
+            record = self.reclaim if finding.reclaimable else self.problem
+            record(finding.area, finding.offset, finding.text, finding.repair)
         return counts
-
-    def _store(self, offset: int, value: int) -> str:
-        self.region.store_u64(offset, value)
-        self.region.flush(offset, 8)
-        self.region.fence()
-        return f"set offset {offset} to {value}"
-
-    def _clear_owner(self, chunk: int) -> str:
-        self.region.fill(self.allocator.layout.owner(chunk), OWNER_BYTES, 0)
-        self.region.flush(self.allocator.layout.owner(chunk), OWNER_BYTES)
-        self.region.fence()
-        return f"cleared the owner record of chunk {chunk}"
-
-    def _free(self, chunk: int, count: int) -> str:
-        self.allocator._release(chunk, count)
-        return f"returned chunks {chunk}..{chunk + count - 1} to the pool"
 
     # --------------------------------------------------------------- slabs
 
@@ -330,9 +225,7 @@ class _Check:
             # judged in the pool, as a dead owner's
             return
         for chunk, size, used in heap.slabs():
-            allocator._fresh_owners(chunk, 1)
-            self.region.fence()
-            owner = allocator.owner(chunk)
+            owner = allocator.owner_fresh(chunk)
             where = allocator.layout.owner(chunk)
             if owner.kind != SLAB or owner.node != node:
                 self.problem("node heap", where, f"node {node}'s heap has a slab at chunk "

@@ -40,7 +40,8 @@ Protocols (every step batched: one fence per batch of lines):
   pass, provided each side drops the lines it checks only after its own
   write is in memory (a line dropped earlier may be refilled by a prefetch
   before the other side's write lands).  Pins of a node whose lease lapsed
-  are ignored (R6); a node's new incarnation starts with its pins cleared.
+  are ignored (R6); a node's new incarnation starts with its pins cleared
+  (`forget_node`).
 
 Rules relied on (DESIGN.md): R2 — entries are written only under the lock,
 pin words only by their node; R3, R4 as above; R5 — entries carry a check
@@ -222,6 +223,20 @@ class Index:
     def _entries(self, slots: np.ndarray) -> np.ndarray:
         return self.base + slots.astype(np.int64) * ENTRY_BYTES
 
+    def entry_offset(self, slot: int) -> int:
+        """Where entry ``slot`` lies in the pool."""
+        return self.base + slot * ENTRY_BYTES
+
+    def forget_node(self, node: int) -> None:
+        """Zero ``node``'s pin words and access stamps as its new
+        incarnation joins (the last one's processes are gone, and their
+        pins with them): written, flushed and fenced (R3) before the node
+        takes part; only ``node`` writes them (R2)."""
+        pins = self.node_base + node * self.node_bytes
+        self.region.fill(pins, self.node_bytes, 0)
+        self.region.flush(pins, self.node_bytes)
+        self.region.fence()
+
     def _pin_words(self, slots: np.ndarray, node: int | None = None) -> np.ndarray:
         node = self.pool.node if node is None else node
         return self.node_base + node * self.node_bytes + slots.astype(np.int64) * 8
@@ -338,7 +353,7 @@ class Index:
             self.unpin(hits)
             slot, offset, length = int(slots[bad[0]]), int(offsets[bad[0]]), \
                 int(lengths[bad[0]])
-            raise CorruptionError(f"index entry {slot} at offset {self.base + slot * ENTRY_BYTES}"
+            raise CorruptionError(f"index entry {slot} at offset {self.entry_offset(slot)}"
                                   f" names payload [{offset}, {offset + length}) outside the "
                                   f"heap [{low}, {high})")
         return hits
@@ -826,7 +841,7 @@ class Index:
         found = []
         for slots, entries in self._table():
             for slot, entry, sealed in zip(slots.tolist(), entries, self._whole(entries)):
-                where = f"index entry {slot} at offset {self.base + slot * ENTRY_BYTES}"
+                where = f"index entry {slot} at offset {self.entry_offset(slot)}"
                 state = int(entry[3]) & 0xFF
                 offset, length = int(entry[4]), int(entry[5])
                 if not entry.any():

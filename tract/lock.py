@@ -47,6 +47,10 @@ fencing token: code working under a lock calls ``check()`` before it
 publishes, which raises `LeaseLost` if another
 node has since been granted the lock (R6).
 
+A node's new incarnation drops what its last one left in every lock
+(`LockSpace.forget_node`: requests done, tickets zero); fsck's check of the
+lock area is `LockSpace.check`.
+
 Rules relied on (DESIGN.md): R2 — every line has one writer at a time
 (request and bakery lines: their node; grant lines: their manager node;
 manager and epoch lines: the holder of the lock that guards them);
@@ -193,6 +197,54 @@ class LockSpace:
         who = "nobody (no live grant)" if holder is None else f"node {holder}"
         return LockTimeout(f"lock {name!r} not acquired after {waited:.3f} s: held by {who}, "
                            f"epoch {epoch}")
+
+    def forget_node(self, node: int) -> None:
+        """Drop the claims a past incarnation of ``node`` left in every lock
+        (the internal election lock included), as its new incarnation
+        joins: each request line is read fresh (R4) and made done and not
+        waiting at its last request seq, each bakery ticket is zeroed, and
+        each line is published (R3) before the next.  Only ``node`` writes
+        these lines (R2)."""
+        layout, region = self.layout, self.region
+        for lock in range(layout.max_locks + 1):
+            request = layout.request_line(lock, node)
+            self.fresh(request)
+            seq = region.load_u64(request)
+            region.store_u64(request + 8, seq)  # done
+            region.store_u64(request + 16, seq)  # not waiting
+            self.publish(request)
+            ticket = layout.bakery_line(lock, node)
+            region.store_u64(ticket, 0)
+            region.store_u64(ticket + 8, 0)
+            self.publish(ticket)
+
+    def check(self) -> list[tuple[int, str]]:
+        """(offset, problem) of every line of the lock area that is not
+        whole or names what the pool does not have, for fsck: the whole
+        area is read fresh (R4, one fence), then (R5) the manager line must
+        name a node of the pool, and every grant line ever written must be
+        whole by its check word and name a holder of the pool and a grant
+        state."""
+        layout, region = self.layout, self.region
+        region.invalidate(layout.offset, layout.nbytes)
+        region.fence()
+        found = []
+        manager = region.load_u64(layout.manager_line)
+        if manager > layout.max_nodes:
+            found.append((layout.manager_line, f"manager line names node {manager - 1}"))
+        for lock in range(layout.max_locks + 1):
+            for owner in range(layout.max_nodes):
+                grant = layout.grant_line(lock, owner)
+                *fields, check = region.load_u64s(grant, 6)
+                if not any(fields) and not check:
+                    continue  # never written
+                if check != grant_check(fields):
+                    found.append((grant, f"grant line of lock {lock} by manager {owner} is "
+                                  f"torn (check word)"))
+                elif fields[1] not in GRANT_STATES or fields[0] > layout.max_nodes:
+                    found.append((grant, f"grant line of lock {lock} by manager {owner} has "
+                                  f"holder {fields[0] - 1}, state {fields[1]}"))
+        return found
 
 
 # ------------------------------------------------------------------- bakery

@@ -74,7 +74,8 @@ class ObjectStore:
         self.heap_range = heap_range
         self._key = pool.header.hash_key
 
-    def _slot(self, index: int) -> int:
+    def record_offset(self, index: int) -> int:
+        """Where record ``index`` lies in the pool."""
         return self.offset + index * RECORD_BYTES
 
     def _home(self, name: bytes) -> int:
@@ -84,7 +85,7 @@ class ObjectStore:
     def _decode(self, index: int, words) -> tuple[int, ObjectRecord | None]:
         """(state, record) of a slot's words as read; raises on a torn or
         out-of-range record (`_TornRecord` when only the check word fails)."""
-        where = f"object record {index} at offset {self._slot(index)}"
+        where = f"object record {index} at offset {self.record_offset(index)}"
         if not any(words):
             return EMPTY, None
         version, state, offset, size, kind, name_length, writer, check = words[:8]
@@ -110,7 +111,7 @@ class ObjectStore:
         return LIVE, ObjectRecord(name, offset, size, kind, version, writer - 1)
 
     def _read(self, index: int, fresh: bool = True):
-        line = self._slot(index)
+        line = self.record_offset(index)
         if fresh:
             self.region.invalidate(line, RECORD_BYTES)
             self.region.fence()
@@ -220,7 +221,7 @@ class ObjectStore:
         name_words = [int.from_bytes(padded[i:i + 8], "little") for i in range(0, NAME_MAX, 8)]
         head = [record.version, state, record.offset, record.size, record.kind, len(raw),
                 record.writer + 1]
-        line = self._slot(index)
+        line = self.record_offset(index)
         for position, word in enumerate(head):
             self.region.store_u64(line + 8 * position, word)
         for position, word in enumerate(name_words):

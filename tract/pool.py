@@ -281,6 +281,7 @@ class Pool:
         self.alloc_layout = AllocLayout(header.alloc, header.size // header.chunk_size,
                                         header.max_nodes)
         self.space = self._space()
+        self.index = Index(self)  # before the join, which clears a past incarnation's pins
         self._local = NodeLocal(header, node) if local_locks else None
         try:
             first = self._local.first if self._local is not None else None
@@ -303,7 +304,6 @@ class Pool:
                                    (header.heap, header.heap_end))
         self.allocator.add_referrer(lambda: [(r.offset, r.size) for r in self.objects.list()])
         self.stats = NodeStats(region, header.stats, node) if node is not None else None
-        self.index = Index(self)
         self.allocator.add_referrer(self.index.referenced)
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -422,22 +422,9 @@ class Pool:
             first = state == ALIVE and not pid_alive(pid)
         joined = self.nodes.join(self.node, first)
         if joined != epoch:  # a new incarnation: drop claims the last one left
-            for lock in range(self.header.max_locks + 1):
-                request = self.layout.request_line(lock, self.node)
-                self.space.fresh(request)
-                seq = self.region.load_u64(request)
-                self.region.store_u64(request + 8, seq)  # done
-                self.region.store_u64(request + 16, seq)  # not waiting
-                self.space.publish(request)
-                ticket = self.layout.bakery_line(lock, self.node)
-                self.region.store_u64(ticket, 0)
-                self.region.store_u64(ticket + 8, 0)
-                self.space.publish(ticket)
+            self.space.forget_node(self.node)
             # the last incarnation's processes are gone, and their index pins
-            pins = self.header.index_nodes + self.node * self.header.index_node_bytes
-            self.region.fill(pins, self.header.index_node_bytes, 0)
-            self.region.flush(pins, self.header.index_node_bytes)
-            self.region.fence()
+            self.index.forget_node(self.node)
         return joined
 
     def nodes_on_this_host(self) -> set[int]:
