@@ -23,7 +23,7 @@ from tract.errors import PoolFull
 from tract.fsck import _Check, fsck
 from simnodes import heartbeat
 from tract.pool import Pool, format_pool
-from tract.testing.incoherent import CRASHED, SimPool, SimulationFailure
+from tract.testing.incoherent import CRASHED, LINE, SimPool, SimulationFailure
 
 SEEDS = int(os.environ.get("TRACT_SIM_SEEDS", "200"))
 SIM_LEASE = 0.004
@@ -308,6 +308,51 @@ def test_reclaim_reads_owner_records_fresh():
     pool.run((0, steps))
     bits = _memory_words(pool, handles[0].alloc_layout.bitmap, 1)
     assert taken == [0] and int(bits[0]) == (1 << handles[0].header.nchunks) - 1
+
+
+@pytest.mark.sim
+def test_the_chunk_check_reads_fresh_and_its_repairs_are_published():
+    """`Allocator.check` on node 1 sees the cursor and an owner record that
+    node 0 changed after node 1 cached them (R4); the repairs node 1 makes
+    are in memory for node 0 without a lock's release (R3)."""
+    from tract.alloc import SLAB
+
+    pool = _sim_pool(0, 2, chaos=0.0)
+    handles = [Pool(host, node, clock=pool.clock, heartbeat=False, local_locks=False)
+               for node, host in enumerate(pool.hosts)]
+    layout, nchunks = handles[0].alloc_layout, handles[0].header.nchunks
+    seen = {}
+
+    def steps(host):
+        checker, writer = handles[1], pool.hosts[0]
+        seen["before"] = checker.allocator.check({}, set())  # node 1 caches every line
+        checker.region.fence()  # and holds no invalidate still queued from that check
+        writer.store_u64(layout.cursor_line, nchunks + 3)
+        writer.store_u64(layout.owner(2), 1 | SLAB << 16)  # node 0's slab, on a free chunk
+        writer.flush(layout.cursor_line, LINE)
+        writer.flush(layout.owner(2), OWNER_BYTES)
+        writer.fence()
+        seen["after"] = checker.allocator.check({}, set())
+        seen["repairs"], seen["memory"] = [], []
+        for finding in seen["after"][1]:  # node 0 reads each repair before the next is made
+            seen["repairs"].append(finding.repair())
+            writer.invalidate(finding.offset, 8)
+            writer.fence()
+            seen["memory"].append(writer.load_u64(finding.offset))
+
+    pool.run((0, steps))
+    counts, found = seen["before"]
+    assert found == [] and counts["free"] == counts["total"] == nchunks
+    counts, found = seen["after"]
+    assert [(finding.area, finding.offset, finding.text) for finding in found] == [
+        ("allocator", layout.cursor_line,
+         f"cursor {nchunks + 3} is past the last chunk ({nchunks - 1})"),
+        ("allocator", layout.owner(2),
+         "chunk 2 is free in the bitmap but its owner record says slab of node 0")]
+    assert seen["repairs"] == [f"set offset {layout.cursor_line} to 0",
+                               "cleared the owner record of chunk 2"]
+    assert seen["memory"] == [0, 0]
+    assert pool.stale_reads == [] and pool.lost_updates == []
 
 
 # ------------------------------------------------------------- native runs

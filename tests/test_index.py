@@ -277,6 +277,35 @@ def run_dekker(first):
 
 
 @pytest.mark.sim
+def test_a_new_incarnation_forgets_the_last_ones_pins_for_every_host():
+    """Node 1's last incarnation left pins and stamps; its next zeroes them
+    in memory (R3) for host 0, which had read them, before taking part."""
+    pool = _sim_pool(0, 2, chaos=0.0)
+    handles = [Pool(host, node, clock=pool.clock, heartbeat=False, local_locks=False)
+               for node, host in enumerate(pool.hosts)]
+    index = handles[1].index
+    pins, length = index.node_base + index.node_bytes, index.node_bytes
+    seen = {}
+
+    def steps(host):
+        other, node = pool.hosts[0], pool.hosts[1]
+        node.fill(pins, length, 0x11)  # the last incarnation's pins and stamps
+        node.flush(pins, length)
+        node.fence()
+        other.invalidate(pins, length)
+        other.fence()
+        seen["before"] = other.read(pins, length)  # host 0 keeps them cached
+        index.forget_node(1)
+        other.invalidate(pins, length)
+        other.fence()
+        seen["after"] = other.read(pins, length)
+
+    pool.run((0, steps))
+    assert seen["before"] == b"\x11" * length and seen["after"] == bytes(length)
+    assert pool.stale_reads == [] and pool.lost_updates == []
+
+
+@pytest.mark.sim
 @pytest.mark.parametrize("first", ["reader", "evictor"])
 def test_pin_and_evict_each_fence_their_write_before_they_check(first):
     outcome = run_dekker(first)

@@ -14,7 +14,7 @@ import pytest
 
 from tract.errors import ConfigError, CorruptionError, LeaseLost, LockTimeout
 from simnodes import heartbeat
-from tract.lock import SLOT_BYTES, Cohort, Lock
+from tract.lock import SLOT_BYTES, Cohort, Lock, grant_check
 from tract.pool import Pool, format_pool
 from tract.testing.incoherent import (LINE, SimMutex, SimNodeLocal, SimPool,
                                      SimulationFailure)
@@ -122,6 +122,85 @@ def test_counter_is_exact_without_chaos(mode):
 def test_survivors_proceed_when_a_holder_dies(mode):
     for seed in range(max(1, SEEDS // 4)):
         run_counter(seed, mode, crash=(1, 1))
+
+
+def _two_nodes():
+    """Nodes 0 and 1 of a bakery pool on hosts 0 and 1, without chaos."""
+    pool = _sim_pool(0, 2, "bakery", chaos=0.0)
+    return pool, [Pool(host, node, clock=pool.clock, heartbeat=False, local_locks=False)
+                  for node, host in enumerate(pool.hosts)]
+
+
+@pytest.mark.sim
+def test_the_lock_area_check_reads_the_lines_fresh():
+    """`LockSpace.check` on node 1 finds the lines node 0 broke after node
+    1 cached them whole (R4, R5)."""
+    pool, handles = _two_nodes()
+    layout, max_nodes = handles[0].layout, handles[0].header.max_nodes
+    torn, bad = layout.grant_line(0, 0), layout.grant_line(1, 1)
+    seen = {}
+
+    def steps(host):
+        checker, writer = handles[1].space, pool.hosts[0]
+        seen["before"] = checker.check()  # node 1 caches the whole area
+        checker.region.fence()  # and holds no invalidate still queued from that check
+        writer.store_u64(layout.manager_line, max_nodes + 3)
+        for field, value in enumerate([1, 1, 2, 3, 4, 12345]):  # check word wrong
+            writer.store_u64(torn + 8 * field, value)
+        fields = [2, 9, 1, 1, 1]  # whole, in a state that does not exist
+        for field, value in enumerate(fields + [grant_check(fields)]):
+            writer.store_u64(bad + 8 * field, value)
+        for line in (layout.manager_line, torn, bad):
+            writer.flush(line, LINE)
+        writer.fence()
+        seen["after"] = checker.check()
+
+    pool.run((0, steps))
+    assert seen["before"] == []
+    assert seen["after"] == [
+        (layout.manager_line, f"manager line names node {max_nodes + 2}"),
+        (torn, "grant line of lock 0 by manager 0 is torn (check word)"),
+        (bad, "grant line of lock 1 by manager 1 has holder 1, state 9")]
+    assert pool.stale_reads == [] and pool.lost_updates == []
+
+
+@pytest.mark.sim
+def test_a_new_incarnation_forgets_the_last_ones_requests_for_every_host():
+    """Node 1's last incarnation (on host 1) left a request and a bakery
+    ticket in every lock; its next leaves each request done and not
+    waiting and each ticket zero, in memory for host 0, which had cached
+    them (R3)."""
+    pool, handles = _two_nodes()
+    layout = handles[0].layout
+    locks = range(layout.max_locks + 1)
+    lines = [line for lock in locks
+             for line in (layout.request_line(lock, 1), layout.bakery_line(lock, 1))]
+    seen = {}
+
+    def steps(host):
+        other, node = pool.hosts[0], pool.hosts[1]
+        for line in lines:  # host 0 reads them first, and keeps them cached
+            other.invalidate(line, LINE)
+        other.fence()
+        for line in lines:
+            other.load_u64s(line, 3)
+        for lock in locks:
+            node.store_u64(layout.request_line(lock, 1), 5 + lock)  # a request left open
+            node.store_u64(layout.bakery_line(lock, 1), 1)
+            node.store_u64(layout.bakery_line(lock, 1) + 8, 7)
+            node.flush(layout.request_line(lock, 1), LINE)
+            node.flush(layout.bakery_line(lock, 1), LINE)
+        node.fence()
+        handles[1].space.forget_node(1)
+        for line in lines:
+            other.invalidate(line, LINE)
+        other.fence()
+        seen["lines"] = [other.load_u64s(line, 3) for line in lines]
+
+    pool.run((0, steps))
+    assert seen["lines"] == [words for lock in locks
+                             for words in ((5 + lock,) * 3, (0, 0, 0))]
+    assert pool.stale_reads == [] and pool.lost_updates == []
 
 
 def test_same_seed_same_lock_run():
