@@ -166,10 +166,11 @@ def test_the_lock_area_check_reads_the_lines_fresh():
 
 @pytest.mark.sim
 def test_a_new_incarnation_forgets_the_last_ones_requests_for_every_host():
-    """Node 1's last incarnation (on host 1) left a request and a bakery
-    ticket in every lock; its next leaves each request done and not
-    waiting and each ticket zero, in memory for host 0, which had cached
-    them (R3)."""
+    """Node 1's last incarnation (on host 0) left a request and a bakery
+    ticket in every lock; its next, on host 1, which had cached those lines
+    (R4: it reads them fresh before it writes part of them), leaves each
+    request done and not waiting and each ticket zero, in memory for host 0,
+    which had cached them too (R3)."""
     pool, handles = _two_nodes()
     layout = handles[0].layout
     locks = range(layout.max_locks + 1)
@@ -179,18 +180,21 @@ def test_a_new_incarnation_forgets_the_last_ones_requests_for_every_host():
 
     def steps(host):
         other, node = pool.hosts[0], pool.hosts[1]
-        for line in lines:  # host 0 reads them first, and keeps them cached
+        for line in lines:  # host 1 reads them first, and keeps them cached
+            node.invalidate(line, LINE)
+        node.fence()
+        for line in lines:
+            node.load_u64s(line, 3)
+        for line in lines:
             other.invalidate(line, LINE)
         other.fence()
-        for line in lines:
-            other.load_u64s(line, 3)
         for lock in locks:
-            node.store_u64(layout.request_line(lock, 1), 5 + lock)  # a request left open
-            node.store_u64(layout.bakery_line(lock, 1), 1)
-            node.store_u64(layout.bakery_line(lock, 1) + 8, 7)
-            node.flush(layout.request_line(lock, 1), LINE)
-            node.flush(layout.bakery_line(lock, 1), LINE)
-        node.fence()
+            other.store_u64(layout.request_line(lock, 1), 5 + lock)  # a request left open
+            other.store_u64(layout.bakery_line(lock, 1), 1)
+            other.store_u64(layout.bakery_line(lock, 1) + 8, 7)
+            other.flush(layout.request_line(lock, 1), LINE)
+            other.flush(layout.bakery_line(lock, 1), LINE)
+        other.fence()
         handles[1].space.forget_node(1)
         for line in lines:
             other.invalidate(line, LINE)

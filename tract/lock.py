@@ -201,19 +201,19 @@ class LockSpace:
     def forget_node(self, node: int) -> None:
         """Drop the claims a past incarnation of ``node`` left in every lock
         (the internal election lock included), as its new incarnation
-        joins: each request line is read fresh (R4) and made done and not
-        waiting at its last request seq, each bakery ticket is zeroed, and
-        each line is published (R3) before the next.  Only ``node`` writes
-        these lines (R2)."""
+        joins: each request line and bakery ticket is read fresh (R4: the
+        last incarnation may have run on another host, and a line written in
+        part is written back whole), the request made done and not waiting
+        at its last request seq, the ticket zeroed, and each line published
+        (R3) before the next.  Only ``node`` writes these lines (R2)."""
         layout, region = self.layout, self.region
         for lock in range(layout.max_locks + 1):
-            request = layout.request_line(lock, node)
-            self.fresh(request)
+            request, ticket = layout.request_line(lock, node), layout.bakery_line(lock, node)
+            self.fresh(request, ticket)  # the last incarnation may have run on another host
             seq = region.load_u64(request)
             region.store_u64(request + 8, seq)  # done
             region.store_u64(request + 16, seq)  # not waiting
             self.publish(request)
-            ticket = layout.bakery_line(lock, node)
             region.store_u64(ticket, 0)
             region.store_u64(ticket + 8, 0)
             self.publish(ticket)
