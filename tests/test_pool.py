@@ -187,7 +187,8 @@ def _published(seed, chaos):
                 if returned:
                     raise SimulationFailure("host 1 does not see the pool after format_pool "
                                             "returned on host 0", seed) from error
-                sim.clock.sleep(1e-5)  # not published yet
+                # not published yet: poll again at once (a magic written back
+                # before the header's lines shows for only a few steps)
         seen["opened"] = fields(header)
         done.append("opened")
         while len(done) < 3:
