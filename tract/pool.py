@@ -482,9 +482,9 @@ class Pool:
                 self.allocator.rejected.append(str(error))
             if cohorting:  # a hand-off that stood still a whole beat is stale
                 for index in self._names.values():
-                    words = self._fast_path(index).slot_words()
-                    self._fast_path(index).sweep(stale=bool(words[0]) and
-                                                 seen.get(index) == words)
+                    fast = self._fast_path(index)
+                    words = fast.slot_words()
+                    fast.sweep(stale=bool(words[0]) and seen.get(index) == words)
                     seen[index] = words
 
     def _await_take_over(self, lock_manager: LockManager) -> None:
