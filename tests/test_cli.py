@@ -40,6 +40,16 @@ def test_bench_list_and_unknown(capsys):
     assert main(["bench"]) == 2
 
 
+def test_bench_on_a_cuda_device_needs_one(capsys):
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device (tests/cuda/check.sh runs the bench)")
+    assert main(["bench", "transfer", "--device", "cuda"]) == 2
+    assert "sees no CUDA device" in capsys.readouterr().err
+    assert main(["bench", "region", "--device", "cuda"]) == 2
+    assert "--device applies to transfer only" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_bench_region_json_schema():
     done = _tract("bench", "region", "--json", "--quick")

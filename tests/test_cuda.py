@@ -62,3 +62,44 @@ def test_the_connector_moves_device_blocks(pool):
     assert connector.load(tokens, outs) == 3
     assert all(torch.equal(a, b) for a, b in zip(blocks, outs))
     connector.close()
+
+
+def test_two_connectors_on_one_pool_share_its_registration(pool):
+    """A scheduler-side and a worker-side connector, or a store and a load
+    side, in one process: CUDA refuses to register the mapping twice, so
+    they share one registration, released by the last to close."""
+    from tract.cuda import REGISTRATIONS
+
+    first, second = Connector(pool, LAYOUT), Connector(pool, LAYOUT)
+    tokens = np.arange(2 * LAYOUT.block_size, dtype=np.int32)
+    blocks = _blocks(2, 3)
+    assert first.store(tokens, blocks) == 2
+    outs = [torch.zeros(SHAPE, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
+    assert second.load(tokens, outs) == 2
+    assert all(torch.equal(a, b) for a, b in zip(blocks, outs))
+    assert REGISTRATIONS.users(pool.region.base) == 2
+    first.close()
+    assert second.load(tokens, outs) == 2
+    second.close()
+    assert REGISTRATIONS.users(pool.region.base) == 0
+
+
+def test_copies_wait_for_the_callers_stream(pool):
+    """The blocks a store reads may still be being written by kernels on
+    the caller's stream, and the targets of a load still used: tract's copy
+    stream waits for them (a long sleep kernel ahead of the last write)."""
+    connector = Connector(pool, LAYOUT)
+    tokens = np.arange(LAYOUT.block_size, dtype=np.int32)
+    side = torch.cuda.Stream()
+    block = torch.zeros(SHAPE, dtype=torch.bfloat16, device="cuda")
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)
+        block.fill_(7)
+        assert connector.store(tokens, [block]) == 1
+        out = torch.ones(SHAPE, dtype=torch.bfloat16, device="cuda")
+        torch.cuda._sleep(50_000_000)
+        out.fill_(3)
+        assert connector.load(tokens, [out]) == 1
+    torch.cuda.synchronize()
+    assert bool((out == 7).all()), "the load's DMA ran before the caller's last write"
+    connector.close()

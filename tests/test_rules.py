@@ -63,7 +63,7 @@ FAST_MODULES = ("tract._kernels.indexfast", "tract._native._allocfast",
                 "tract._native._lockfast", "tract._native._nodeheap")
 #: the batched native steps of the mapping (its single primitives are what
 #: every trace is made of, and are held to the simulator's model of them)
-REGION_STEPS = ("copy_in_blocks", "copy_out_blocks")
+REGION_STEPS = ("copy_in_blocks", "copy_out_blocks", "digest_blocks")
 
 
 def fast_entry_points():

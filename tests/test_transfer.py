@@ -194,24 +194,29 @@ class _HostDma:
     def __init__(self, host):
         self.host = host
 
-    def to_pool(self, plans):
-        for offset, flat in plans:
+    def to_pool(self, plans, landed=None):
+        for index, (offset, flat) in enumerate(plans):
             for segment in flat:
                 self.host.copy_in(offset, segment.numpy(), nontemporal=False)
                 offset += segment.numel()
+            if landed is not None:
+                landed(index)
 
-    def from_pool(self, plans):
+    def from_pool(self, plans, meanwhile=None):
         for offset, flat in plans:
             for segment in flat:
                 self.host.copy_out(offset, segment.numpy())
                 offset += segment.numel()
+        if meanwhile is not None:
+            meanwhile()
 
     def close(self):
         pass
 
 
 @pytest.mark.sim
-def test_cuda_stores_reach_another_host_and_loads_read_fresh():
+@pytest.mark.parametrize("checksum", [True, False])
+def test_cuda_stores_reach_another_host_and_loads_read_fresh(checksum):
     """`tract.cuda.CudaTransfer`'s write-back after a store (R3) and drop
     before a load (R4), with its DMA done through a simulated host's cache:
     node 1 reads what node 0 stored, having read the ranges before."""
@@ -226,11 +231,11 @@ def test_cuda_stores_reach_another_host_and_loads_read_fresh():
     offsets = [4096, 4096 + layout.block_bytes]
     for seed in range(40):
         sim = SimPool(16384, hosts=2, seed=seed, chaos=0.3 if seed % 4 else 0.0)
-        engines = []
+        engines, pools = [], []
         for host in sim.hosts:
-            pool = types.SimpleNamespace(region=host,
-                                         header=types.SimpleNamespace(hash_key=bytes(16)))
-            engine = TransferEngine(pool, layout)
+            pools.append(types.SimpleNamespace(region=host,
+                                               header=types.SimpleNamespace(hash_key=bytes(16))))
+            engine = TransferEngine(pools[-1], layout, checksum=checksum)
             engines.append(CudaTransfer(engine, dma=_HostDma(host)))
         generator = torch.Generator().manual_seed(seed)
         blocks = [torch.randint(0, 256, (layout.block_bytes,), dtype=torch.uint8,
@@ -242,3 +247,65 @@ def test_cuda_stores_reach_another_host_and_loads_read_fresh():
         assert good.all(), f"seed {seed}: a block failed its checksum"
         for block, out in zip(blocks, outs):
             assert torch.equal(block, out), f"seed {seed}: node 1 read stale bytes"
+        # the checksums of the CPU path's copies of the same blocks
+        cpu = TransferEngine(pools[0], layout, checksum=checksum).store(
+            offsets, [block.numpy() for block in blocks])
+        assert (cpu == sums).all() and (cpu != 0).all() == checksum
+
+
+class _Runtime:
+    """torch's CUDA runtime bindings as `HostRegistrations` calls them:
+    registrations recorded, ``taken`` addresses answered 712 (already
+    registered by someone else), ``fail`` ones another error."""
+
+    def __init__(self, taken=(), fail=()):
+        self.taken, self.fail, self.pinned = set(taken), set(fail), []
+
+    def cudaHostRegister(self, address, size, flags):
+        if address in self.fail:
+            return 2
+        if address in self.taken:
+            return 712
+        assert address not in self.pinned, "registered twice"
+        self.pinned.append(address)
+        return 0
+
+    def cudaHostUnregister(self, address):
+        self.pinned.remove(address)
+        return 0
+
+    def cudaGetErrorString(self, code):
+        return "cudaErrorMemoryAllocation" if code == 2 else "other"
+
+
+def test_a_mapping_is_registered_once_however_many_engines_use_it():
+    """Two engines (or connectors) on one pool in one process share its
+    registration (CUDA answers a second one with error 712); the last
+    release unregisters; chunks registered by someone else are used and
+    left to them; a failure undoes the chunks done and names the call."""
+    from tract.cuda import REGISTER_CHUNK, HostRegistrations
+    from tract.errors import CudaError
+
+    registry, runtime = HostRegistrations(), _Runtime()
+    base, size = 1 << 40, 2 * REGISTER_CHUNK + 4096
+    registry.acquire(runtime, base, size)
+    registry.acquire(runtime, base, size)
+    assert runtime.pinned == [base, base + REGISTER_CHUNK, base + 2 * REGISTER_CHUNK]
+    assert registry.users(base) == 2
+    registry.release(runtime, base)
+    assert len(runtime.pinned) == 3
+    registry.release(runtime, base)
+    assert runtime.pinned == [] and registry.users(base) == 0
+    registry.release(runtime, base)  # a second close is harmless
+
+    runtime = _Runtime(taken=[base + REGISTER_CHUNK])
+    registry.acquire(runtime, base, size)
+    assert runtime.pinned == [base, base + 2 * REGISTER_CHUNK]
+    registry.release(runtime, base)
+    assert runtime.pinned == []
+
+    runtime = _Runtime(fail=[base + 2 * REGISTER_CHUNK])
+    with pytest.raises(CudaError, match=r"cudaHostRegister\(offset 2147483648, 4096 bytes\) "
+                                        r"failed: CUDA error 2 \(cudaErrorMemoryAllocation\)"):
+        registry.acquire(runtime, base, size)
+    assert runtime.pinned == [] and registry.users(base) == 0

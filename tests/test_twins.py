@@ -83,6 +83,39 @@ def test_copy_out_blocks_drops_every_block_then_fences_once(region):
         twins.check("tract._native._region.Region.copy_out_blocks", want, got, context=trial)
 
 
+def test_digest_blocks_is_a_digest_then_a_flush_per_piece(region):
+    """`digest_blocks`: each piece hashed where it lies, then (with
+    ``writeback``) its lines flushed with the payload instruction; no fence."""
+    from tract._native._region import digest
+
+    rng = random.Random(5)
+    area = [(0, 1 << 16)]
+    region.copy_in(0, rng.randbytes(1 << 16))
+    for trial in range(60):
+        piece = rng.choice([0, 64, 241, 4096])
+        length = piece * rng.randint(1, 3) if piece else rng.randint(1, 9000)
+        offsets = np.array([rng.randrange(0, (1 << 16) - length) for _ in range(rng.randint(1, 4))],
+                           dtype=np.int64)
+        writeback, size = bool(trial % 2), piece or length
+
+        def blocks():
+            sums = np.zeros(len(offsets) * (length // size), np.uint64)
+            region.digest_blocks(offsets, length, sums, 9, piece, writeback)
+            return sums.tolist()
+
+        def one_by_one():
+            sums = []
+            for offset in offsets.tolist():
+                for at in range(offset, offset + length, size):
+                    sums.append(digest(region.view(at, size), 9))
+                    if writeback:
+                        region.flush(at, size, payload=True)
+            return sums
+
+        want, got = twins.both(region, area, one_by_one, blocks)
+        twins.check("tract._native._region.Region.digest_blocks", want, got, context=trial)
+
+
 def test_fresh_kind_reads_the_head_record_as_the_python_step_does(pool_path):
     Pool.create(pool_path, 96 << 16, chunk_size=1 << 16, max_nodes=4, lease_timeout=5.0,
                 lock_mode="manager")

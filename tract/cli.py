@@ -52,6 +52,13 @@ def _bench(args: argparse.Namespace) -> int:
         print(f"tract bench: --device applies to transfer only, not {args.name!r}",
               file=sys.stderr)
         return 2
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            print(f"tract bench: --device cuda, but torch {torch.__version__} sees no CUDA "
+                  "device", file=sys.stderr)
+            return 2
     report = bench.run(args.name, quick=args.quick, **options)
     if args.json:
         print(json.dumps(report, indent=2))

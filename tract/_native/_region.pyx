@@ -423,6 +423,40 @@ cdef class Region:
                 PyBuffer_Release(&views[i])
             free(views)
 
+    def digest_blocks(self, const int64_t[::1] offsets, int64_t length, uint64_t[::1] sums,
+                      uint64_t seed=0, int64_t piece=0, bint writeback=False):
+        """The `digest` (``seed``) of each ``piece`` bytes (of each whole
+        range when ``piece`` is 0) of the ``length``-byte ranges at
+        ``offsets``, in order, into ``sums``: bytes another agent (a DMA
+        engine) moved, which no copy of this mapping hashed.  With
+        ``writeback``, each piece's lines are written back and dropped (the
+        payload instruction, as `flush` with ``payload=True``) right after
+        they are hashed, while they are still cached; the caller fences
+        (R3).  Without, it reads the ranges as they are: the caller dropped
+        them and fenced first, where another host wrote them (R4)."""
+        cdef Py_ssize_t n = offsets.shape[0], i
+        cdef int64_t at, size = piece if piece > 0 else length, k = 0
+        if length <= 0:
+            raise ValueError(f"length must be positive, got {length}")
+        if piece < 0 or length % size:
+            raise ValueError(f"a {length}-byte range is not a whole number of "
+                             f"{piece}-byte pieces")
+        if sums.shape[0] != n * (length // size):
+            raise ValueError(f"sums must hold {n * (length // size)} digests, got "
+                             f"{sums.shape[0]}")
+        for i in range(n):
+            self._check(offsets[i], length)
+        with nogil:
+            for i in range(n):
+                at = 0
+                while at < length:
+                    sums[k] = tract_digest_copy(NULL, self._base + offsets[i] + at, size, seed,
+                                                0, self._nt_kind, TRACT_INSN_NONE)
+                    if writeback:
+                        tract_lines(self._payload_insn, self._base + offsets[i] + at, size)
+                    k += 1
+                    at += size
+
     cdef Py_buffer *_views(self, const int64_t[::1] offsets, buffers, uint64_t[::1] sums,
                            int64_t piece, bint writable, Py_ssize_t *got) except NULL:
         """The buffers, acquired, each checked against its range and, with

@@ -609,6 +609,31 @@ class SimHost:
             self.copy_out(offset, target)
         self._digests(targets, sums, seed, piece)
 
+    def digest_blocks(self, offsets, length: int, sums, seed: int = 0, piece: int = 0,
+                      writeback: bool = False) -> None:
+        """`Region.digest_blocks`: each piece read through this host's
+        cache and hashed, then (``writeback``) flushed with the payload
+        instruction; no fence."""
+        from tract._native._region import digest
+
+        size = piece or length
+        if length <= 0 or piece < 0 or length % size:
+            raise ValueError(f"a {length}-byte range is not a whole number of {piece}-byte "
+                             f"pieces")
+        offsets = [int(offset) for offset in offsets]
+        if len(sums) != len(offsets) * (length // size):
+            raise ValueError(f"sums must hold {len(offsets) * (length // size)} digests, got "
+                             f"{len(sums)}")
+        for offset in offsets:
+            self._check(offset, length)
+        k = 0
+        for offset in offsets:
+            for at in range(offset, offset + length, size):
+                sums[k] = digest(self.read(at, size), seed)
+                if writeback:
+                    self.flush(at, size, payload=True)
+                k += 1
+
     @staticmethod
     def _blocks(offsets, buffers, sums, piece):
         offsets = [int(offset) for offset in offsets]
