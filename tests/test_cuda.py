@@ -103,3 +103,23 @@ def test_copies_wait_for_the_callers_stream(pool):
     torch.cuda.synchronize()
     assert bool((out == 7).all()), "the load's DMA ran before the caller's last write"
     connector.close()
+
+
+def test_a_block_across_a_registration_chunk(pool_path):
+    """The mapping is registered in 1 GiB chunks; a block that straddles
+    the end of one moves whole, both ways."""
+    from tract.cuda import REGISTER_CHUNK
+
+    Pool.create(pool_path, REGISTER_CHUNK + (64 << 20), chunk_size=1 << 20, max_nodes=4,
+                lease_timeout=2.0)
+    with Pool.open(pool_path, 0, manager=True) as pool:
+        engine = TransferEngine(pool, LAYOUT)
+        offsets = [REGISTER_CHUNK - LAYOUT.block_bytes // 2 - 64]  # heap space nobody holds
+        blocks = _blocks(1, 4)
+        sums = engine.store(offsets, blocks)
+        out = [torch.zeros(SHAPE, dtype=torch.bfloat16, device="cuda")]
+        assert engine.load(offsets, out, sums).all() and torch.equal(out[0], blocks[0])
+        cpu = np.zeros(LAYOUT.block_bytes, np.uint8)
+        assert TransferEngine(pool, LAYOUT).load(offsets, [cpu], sums).all()
+        assert bytes(cpu) == blocks[0].cpu().view(torch.uint8).numpy().tobytes()
+        engine.close()

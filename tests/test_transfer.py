@@ -309,3 +309,15 @@ def test_a_mapping_is_registered_once_however_many_engines_use_it():
                                         r"failed: CUDA error 2 \(cudaErrorMemoryAllocation\)"):
         registry.acquire(runtime, base, size)
     assert runtime.pinned == [] and registry.users(base) == 0
+
+
+def test_dma_ranges_are_cut_at_registration_chunks():
+    """A block that straddles the end of a registration chunk is copied in
+    two DMAs (one may not span two registrations)."""
+    from tract.cuda import REGISTER_CHUNK, spans
+
+    assert list(spans(0, 4096)) == [(0, 4096)]
+    assert list(spans(REGISTER_CHUNK - 100, 300)) == [(REGISTER_CHUNK - 100, 100),
+                                                       (REGISTER_CHUNK, 200)]
+    assert list(spans(10, 25, chunk=10)) == [(10, 10), (20, 10), (30, 5)]
+    assert list(spans(5, 0)) == []

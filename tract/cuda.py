@@ -27,7 +27,7 @@ import numpy as np
 
 from tract.errors import CudaError
 
-__all__ = ["REGISTER_CHUNK", "CudaDma", "CudaTransfer", "HostRegistrations"]
+__all__ = ["REGISTER_CHUNK", "CudaDma", "CudaTransfer", "HostRegistrations", "spans"]
 
 REGISTER_CHUNK = 1 << 30
 _HOST_REGISTER_PORTABLE = 1
@@ -46,6 +46,17 @@ def _check(code, call: str, runtime=None) -> None:
         except Exception:  # noqa: BLE001 - the code alone still names it
             name = "unknown"
         raise CudaError(f"{call} failed: CUDA error {value} ({name})")
+
+
+def spans(offset: int, length: int, chunk: int = REGISTER_CHUNK):
+    """The ``(offset, length)`` parts of a pool range, cut where a
+    registration chunk ends: one DMA may not span two registrations (CUDA
+    answers it with an invalid-argument error)."""
+    while length > 0:
+        take = min(length, chunk - offset % chunk)
+        yield offset, take
+        offset += take
+        length -= take
 
 
 class HostRegistrations:
@@ -142,7 +153,10 @@ class CudaDma:
         with torch.cuda.stream(self.stream):
             for offset, flat in plans:
                 for segment in flat:
-                    self.host[offset:offset + segment.numel()].copy_(segment, non_blocking=True)
+                    for start, length in spans(offset, segment.numel()):
+                        at = start - offset
+                        self.host[start:start + length].copy_(segment[at:at + length],
+                                                              non_blocking=True)
                     offset += segment.numel()
                 if landed is not None:
                     events.append(torch.cuda.Event())
@@ -160,7 +174,10 @@ class CudaDma:
         with torch.cuda.stream(self.stream):
             for offset, flat in plans:
                 for segment in flat:
-                    segment.copy_(self.host[offset:offset + segment.numel()], non_blocking=True)
+                    for start, length in spans(offset, segment.numel()):
+                        at = start - offset
+                        segment[at:at + length].copy_(self.host[start:start + length],
+                                                      non_blocking=True)
                     offset += segment.numel()
         if meanwhile is not None:
             meanwhile()
