@@ -67,6 +67,8 @@ def _bench(args: argparse.Namespace) -> int:
     for result in report["results"]:
         ratio = "" if result["ratio"] is None else \
             f"  {result['ratio']:6.2f}x vs {result['baseline']} ({result['baseline_value']:.4g})"
+        if result["ratio_min"] is not None:
+            ratio += f" [{result['ratio_min']:.2f}-{result['ratio_max']:.2f}]"
         if result["ratio"] and "lower is better" in result["unit"]:
             ratio += f" = {1 / result['ratio']:.1f} x baseline"
         print(f"  {result['name']:<44} {result['value']:12.4g} {result['unit'].split(',')[0]:<18}{ratio}")

@@ -17,10 +17,10 @@ class Blocks:
     param_names = ["block_bytes", "checksum"]
 
     def setup(self, size, checksum):
-        self.harness = bench._Pool(size * 16)
+        self.harness = bench.BenchPool(size * 16)
         self.pool = self.harness.pool
         self.connector = Connector(self.pool, bench.layout_of(size), checksum=checksum)
-        self.blocks = bench._blocks(size, 8, 1)
+        self.blocks = bench.random_blocks(size, 8, 1)
         self.outs = [np.empty(size, np.uint8) for _ in range(8)]
         self.present = np.arange(16, dtype=np.uint64).reshape(8, 2)
         self.connector.store(self.present, self.blocks)
@@ -50,12 +50,12 @@ class Handoff:
     param_names = ["block_bytes"]
 
     def setup(self, size):
-        self.harness = bench._Pool(size * 16)
+        self.harness = bench.BenchPool(size * 16)
         self.connector = Connector(self.harness.pool, bench.layout_of(size))
-        self.blocks = bench._blocks(size, 8, 1)
+        self.blocks = bench.random_blocks(size, 8, 1)
         context = multiprocessing.get_context("fork")
         self.pipe, theirs = context.Pipe()
-        self.decoder = context.Process(target=bench._decode,
+        self.decoder = context.Process(target=bench.decode_worker,
                                        args=(self.harness.path, size, 8, theirs, True))
         self.decoder.start()
         self.rng = np.random.default_rng(3)

@@ -4,7 +4,10 @@ Each benchmark is a function ``run(quick: bool) -> list[Result]`` registered
 under a name.  Every figure that claims speed carries a baseline measured in
 the same run, and its ``ratio`` is oriented so that higher is better for
 tract: ``value / baseline_value`` for rates, ``baseline_value / value`` for
-costs.  The unit says which.
+costs.  The unit says which.  Where tract and its baseline were measured in
+turn, round by round (`paired`), the ratio is the median of the rounds'
+ratios, with their lowest and highest (``ratio_min``, ``ratio_max``): on a
+noisy machine a round's neighbour hurts both sides of its pair alike.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import statistics
 import time
 from typing import Callable
 
-__all__ = ["BENCHMARKS", "Result", "machine", "median_time", "run"]
+__all__ = ["BENCHMARKS", "Result", "machine", "median_time", "paired", "run"]
 
 # name -> module that defines run(quick) (under tract.bench; the simulator's, under tract.testing)
 BENCHMARKS = {
@@ -42,9 +45,13 @@ class Result:
     higher_is_better: bool
     baseline: str | None = None
     baseline_value: float | None = None
+    #: (median, lowest, highest) of the paired rounds' ratios, when paired
+    ratios: tuple[float, float, float] | None = None
 
     @property
     def ratio(self) -> float | None:
+        if self.ratios is not None:
+            return self.ratios[0]
         if self.baseline_value is None or not self.value or not self.baseline_value:
             return None
         if self.higher_is_better:
@@ -63,6 +70,8 @@ class Result:
             "baseline": self.baseline,
             "baseline_value": self.baseline_value,
             "ratio": self.ratio,
+            "ratio_min": self.ratios[1] if self.ratios else None,
+            "ratio_max": self.ratios[2] if self.ratios else None,
         }
 
 
@@ -82,6 +91,17 @@ def median_time(functions: dict[str, Callable[[], object]], repeats: int,
             function()
             samples[name].append(time.perf_counter() - start)
     return {name: statistics.median(times) for name, times in samples.items()}
+
+
+def paired(ours: list[float], theirs: list[float]) -> tuple[float, float, float]:
+    """The median, lowest and highest of ``theirs[i] / ours[i]``: seconds
+    of the same work measured in turn, round by round, so each ratio says
+    how many times faster tract was in that round."""
+    if len(ours) != len(theirs) or not ours:
+        raise ValueError(f"paired needs as many rounds on each side, got {len(ours)} and "
+                         f"{len(theirs)}")
+    ratios = sorted(b / a for a, b in zip(ours, theirs))
+    return statistics.median(ratios), ratios[0], ratios[-1]
 
 
 def machine() -> dict:

@@ -1,8 +1,12 @@
 """The peers `tract bench transfer` compares against: the same handoff
 (producer process -> consumer process, from the producer's first call to
 the consumer holding the bytes) through Redis and Mooncake Store, each
-server started here on 127.0.0.1 and stopped after.  A peer that cannot be
-started raises `Unavailable` with the reason, which the report prints."""
+server started here on 127.0.0.1 and stopped after.  Each peer is a
+`Peer`: a sampler in an interpreter of its own, asked for one round at a
+time, so the bench measures it in turn with tract's handoff (A B A B ...).
+A peer that cannot be started or fails raises `Unavailable` with the
+reason, which the report prints.
+"""
 
 from __future__ import annotations
 
@@ -12,14 +16,13 @@ import multiprocessing
 import os
 import shutil
 import socket
-import statistics
 import subprocess
 import sys
 import time
 
 import numpy as np
 
-__all__ = ["PEERS", "Unavailable"]
+__all__ = ["PEERS", "Peer", "Unavailable", "handoff_sampler"]
 
 
 class Unavailable(Exception):
@@ -65,11 +68,13 @@ def start_server(command: list[str], ports, what: str):
             process.wait()
 
 
-def _handoff(produce, consume, repeats: int, nbytes: int, clear=None) -> float:
-    """GB/s of a handoff: ``produce(round)`` in this process, then
-    ``consume(round)`` in a child told by a pipe; timed from the producer's
-    start to the consumer's end (one monotonic clock).  ``clear(round)``,
-    untimed, drops the round's keys (as tract's bench evicts its blocks)."""
+@contextlib.contextmanager
+def handoff_sampler(produce, consume, clear=None):
+    """A handoff, one round a call: ``sample(round_)`` runs
+    ``produce(round_)`` here, then ``consume(round_)`` in a child told by a
+    pipe, and returns the seconds from the producer's start to the
+    consumer's end (one monotonic clock); ``clear(round_)``, untimed, then
+    drops the round's keys (as tract's bench evicts its blocks)."""
     context = multiprocessing.get_context("fork")
     ours, theirs = context.Pipe()
 
@@ -84,28 +89,33 @@ def _handoff(produce, consume, repeats: int, nbytes: int, clear=None) -> float:
 
     process = context.Process(target=child)
     process.start()
-    times = []
+
+    def sample(round_: int) -> float:
+        started = time.monotonic()
+        produce(round_)
+        ours.send((round_, started))
+        elapsed = ours.recv()
+        if isinstance(elapsed, Exception):
+            raise Unavailable(f"consumer failed: {elapsed}")
+        if clear is not None:
+            clear(round_)
+        return elapsed
+
     try:
-        for round_ in range(repeats + 1):
-            started = time.monotonic()
-            produce(round_)
-            ours.send((round_, started))
-            elapsed = ours.recv()
-            if isinstance(elapsed, Exception):
-                raise Unavailable(f"consumer failed: {elapsed}")
-            if round_:
-                times.append(elapsed)
-            if clear is not None:
-                clear(round_)
+        yield sample
     finally:
-        ours.send(None)
+        with contextlib.suppress(OSError):
+            ours.send(None)
         process.join(30)
-    return nbytes / statistics.median(times) / 1e9
+        if process.is_alive():
+            process.kill()
+            process.join()
 
 
 # ------------------------------------------------------------------ Redis
 
-def redis_handoff(size: int, count: int, repeats: int) -> float:
+@contextlib.contextmanager
+def redis_handoff(size: int, count: int):
     try:
         import redis
     except ImportError as error:
@@ -129,8 +139,9 @@ def redis_handoff(size: int, count: int, repeats: int) -> float:
                 [f"r{round_}:{i}" for i in range(count)])
             assert all(len(value) == size for value in got)
 
-        return _handoff(produce, consume, repeats, size * count,
-                        lambda round_: client.delete(*[f"r{round_}:{i}" for i in range(count)]))
+        with handoff_sampler(produce, consume, lambda round_: client.delete(
+                *[f"r{round_}:{i}" for i in range(count)])) as sample:
+            yield sample
 
 
 # --------------------------------------------------------------- Mooncake
@@ -179,7 +190,8 @@ def _get(store, keys: list[str], base: int, size: int) -> None:
                           f"(results {sorted(set(short))[:3]})")
 
 
-def mooncake_tcp_handoff(size: int, count: int, repeats: int) -> float:
+@contextlib.contextmanager
+def mooncake_tcp_handoff(size: int, count: int):
     """Mooncake Store over TCP, batched zero-copy calls from registered
     buffers (`batch_put_from` / `batch_get_into`)."""
     try:
@@ -212,14 +224,16 @@ def mooncake_tcp_handoff(size: int, count: int, repeats: int) -> float:
             _get(state["store"], _keys("r", round_, count), state["out"].ctypes.data, size)
 
         try:
-            return _handoff(produce, consume, repeats, size * count,
-                            lambda round_: _remove(mine["store"], _keys("r", round_, count)))
+            with handoff_sampler(produce, consume, lambda round_: _remove(
+                    mine["store"], _keys("r", round_, count))) as sample:
+                yield sample
         finally:
             with contextlib.suppress(Exception):
                 mine["store"].close()
 
 
-def mooncake_shm_handoff(size: int, count: int, repeats: int) -> float:
+@contextlib.contextmanager
+def mooncake_shm_handoff(size: int, count: int):
     """Mooncake Store's shared-memory path: both processes attach to one
     `mooncake_client` (the segment holder) with `setup_dummy`, their
     buffers come from its memory pool, and they move data with the batched
@@ -270,50 +284,82 @@ def mooncake_shm_handoff(size: int, count: int, repeats: int) -> float:
             _get(state["store"], _keys("s", round_, count), state["out"], size)
 
         try:
-            return _handoff(produce, consume, repeats, size * count,
-                            lambda round_: _remove(mine["store"], _keys("s", round_, count)))
+            with handoff_sampler(produce, consume, lambda round_: _remove(
+                    mine["store"], _keys("s", round_, count))) as sample:
+                yield sample
         finally:
             with contextlib.suppress(Exception):
                 mine["store"].close()
 
 
-_PEERS = {"redis": redis_handoff, "mooncake_tcp": mooncake_tcp_handoff,
-          "mooncake_shm": mooncake_shm_handoff}
+_SAMPLERS = {"redis": redis_handoff, "mooncake_tcp": mooncake_tcp_handoff,
+             "mooncake_shm": mooncake_shm_handoff}
+PEERS = tuple(_SAMPLERS)
 
 
-def _isolated(name: str, size: int, count: int, repeats: int, results) -> None:
+def _serve(name: str, size: int, count: int, pipe) -> None:
+    """A peer's process: its sampler set up, then one round per request."""
     quiet = os.open(os.devnull, os.O_WRONLY)  # the peers' own logging (glog) to stderr
     os.dup2(quiet, 2)
     try:
-        results.put(("ok", _PEERS[name](size, count, repeats)))
+        with _SAMPLERS[name](size, count) as sample:
+            pipe.send(("ready", None))
+            while (round_ := pipe.recv()) is not None:
+                pipe.send(("ok", sample(round_)))
     except Unavailable as why:
-        results.put(("unavailable", why.args[0]))
+        pipe.send(("unavailable", why.args[0]))
     except Exception as error:  # noqa: BLE001 - reported as a reason
-        results.put(("unavailable", f"{name}: {type(error).__name__}: {error}"))
+        pipe.send(("unavailable", f"{name}: {type(error).__name__}: {error}"))
 
 
-def _measure(name: str):
-    """A peer's measurement in a fresh interpreter of its own: client
-    libraries that start threads (Mooncake's) do not survive the forks the
-    next measurement makes."""
-    def measure(size: int, count: int, repeats: int, timeout: float = 300.0) -> float:
+class Peer:
+    """One peer's handoff of ``count`` blocks of ``size`` bytes, sampled a
+    round at a time in a fresh interpreter of its own: client libraries
+    that start threads (Mooncake's) do not survive the forks of the
+    samplers beside them.  Raises `Unavailable` at start, or at a sample,
+    with the reason; no call waits longer than ``timeout`` seconds."""
+
+    def __init__(self, name: str, size: int, count: int, timeout: float = 300.0):
+        if name not in _SAMPLERS:
+            raise ValueError(f"unknown peer {name!r}; known: {', '.join(PEERS)}")
+        self.name, self.timeout = name, timeout
         context = multiprocessing.get_context("spawn")
-        results = context.Queue()
-        process = context.Process(target=_isolated, args=(name, size, count, repeats, results))
-        process.start()
+        self.pipe, theirs = context.Pipe()
+        self.process = context.Process(target=_serve, args=(name, size, count, theirs))
+        self.process.start()
+        theirs.close()
+        self._answer()
+
+    def _answer(self):
+        if not self.pipe.poll(self.timeout):
+            self.close()
+            raise Unavailable(f"{self.name}: no answer within {self.timeout:.0f} s")
         try:
-            kind, value = results.get(timeout=timeout)
-        except Exception:  # noqa: BLE001 - a hang or a crash: unavailable, with why
-            process.kill()
-            raise Unavailable(f"{name}: no result within {timeout:.0f} s (exit code "
-                              f"{process.exitcode})") from None
-        finally:
-            process.join(30)
+            kind, value = self.pipe.recv()
+        except EOFError:
+            self.close()
+            raise Unavailable(f"{self.name}: its process died (exit code "
+                              f"{self.process.exitcode})") from None
         if kind == "unavailable":
+            self.close()
             raise Unavailable(value)
         return value
 
-    return measure
+    def sample(self, round_: int) -> float:
+        """Seconds of one round's handoff."""
+        self.pipe.send(round_)
+        return self._answer()
 
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.pipe.send(None)
+        self.process.join(30)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
 
-PEERS = {name: _measure(name) for name in _PEERS}
+    def __enter__(self) -> Peer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

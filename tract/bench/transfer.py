@@ -2,37 +2,42 @@
 peers a user would pick instead, all in the same run.
 
 Per block size (256 KiB, 2 MiB, 16 MiB; and, without ``--quick``, one
-request shaped like a 6000-token Llama-3-8B prompt: 750 blocks of 1 MiB):
+request shaped like a 6000-token Llama-3-8B prompt: 750 blocks of 1 MiB),
+each sample moving at least 64 MiB (more blocks at the small sizes):
 
 - put GB/s (`Connector.store` of absent blocks: reserve, copy, checksum,
   publish) against the non-temporal copy into the pool;
 - get GB/s (`Connector.load`: pin, fresh copy, checksum check, unpin)
-  against numpy memcpy from memory (and, for reference, the same memcpy
-  between private buffers still in this CPU's caches);
+  against memcpy from memory (and, for reference, the same memcpy between
+  private buffers still in this CPU's caches);
 - both again with checksums off;
 - handoff GB/s, prefill process -> decode process: from the moment the
   prefill side starts `offer` to the moment the decode side's `take` has
   the bytes (the notification between them, a pipe, included), against
-  the two-copy memcpy bound (``memcpy`` time x 2, in the same rounds) and
+  the two-copy bounds: ``two_copy_best`` (the non-temporal copy in, then
+  memcpy out from memory: the fastest pair of copies this machine offers a
+  CPU handoff) and ``two_copy_memcpy`` (memcpy from memory twice); and
   against the same handoff over the peers: raw TCP loopback between two
   processes, Redis (SET/GET), and Mooncake Store (TCP, and its
   shared-memory path) when they can be started here; the report says
   which could not, and why.
 
-The bytes start where a rack puts them: not in this CPU's caches.  The
-memcpy baseline copies from pool ranges dropped from the cache first (a
-pool read always comes from memory: another host wrote it; a copy from
-cache-resident buffers would measure the cache, not a transfer), and the
-ranges the put and the non-temporal copy write are dropped first too (on a
-rack, the hosts that read them last are others).  The baselines and
-tract's calls are measured in turn, round by round, so a noisy neighbour
-hurts them alike.
+Every measurement runs once a round, in turn with all the others (A B A
+B ...: tract, its baselines, the peers), and each figure's ratio is the
+median of the rounds' paired ratios, with their lowest and highest, so a
+noisy neighbour hurts both sides of a pair alike.  The bytes start where a
+rack puts them: not in this CPU's caches.  The memcpy baseline copies from
+pool ranges dropped from the cache first (a pool read always comes from
+memory: another host wrote it), and the ranges the put and the
+non-temporal copy write are dropped first too (on a rack, the hosts that
+read them last are others).
 
 Servers are started on 127.0.0.1 by this module and stopped after.
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import socket
@@ -41,14 +46,28 @@ import time
 
 import numpy as np
 
-from tract.bench import Result, median_time
+from tract.bench import Result, paired
 from tract.bench.lock import MAX_NODES, manage_locks
-from tract.bench.peers import PEERS, Unavailable
+from tract.bench.peers import PEERS, Peer, Unavailable
 from tract.connector import Connector
 from tract.pool import Pool
 from tract.transfer import KVLayout
 
+__all__ = ["SAMPLE_BYTES", "BenchPool", "decode_worker", "layout_of", "random_blocks", "run",
+           "shapes"]
+
 KIB, MIB = 1 << 10, 1 << 20
+SAMPLE_BYTES = 64 * MIB
+
+
+def shapes(quick: bool) -> list[tuple[int, int]]:
+    """``(block bytes, blocks per sample)``: each sample moves at least
+    `SAMPLE_BYTES`, so one takes long enough that scheduling noise does not
+    decide it."""
+    sizes = [(256 * KIB, 16), (2 * MIB, 8), (16 * MIB, 2)]
+    if not quick:
+        sizes.append((1 * MIB, 750))  # a 6000-token Llama-3-8B prompt: 128 KiB a token
+    return [(size, max(count, -(-SAMPLE_BYTES // size))) for size, count in sizes]
 
 
 def _label(size: int) -> str:
@@ -61,14 +80,14 @@ def layout_of(size: int) -> KVLayout:
                     head_size=size // 64, block_size=1)
 
 
-class _Pool:
+class BenchPool:
     """A pool for the bench; its lock manager runs in another process, as
     `tract manager` would (one in this process would compete for the GIL)."""
 
     def __init__(self, bytes_needed: int):
         self.path = os.path.join("/dev/shm", f"tract-bench-transfer-{os.getpid()}")
         chunk = 2 * MIB
-        size = max(64 * MIB, (bytes_needed * 2 // chunk + 8) * chunk)
+        size = max(64 * MIB, (bytes_needed * 3 // chunk + 8) * chunk)
         Pool.create(self.path, size, chunk_size=chunk, max_nodes=MAX_NODES, lease_timeout=5.0,
                     index_capacity=4096)
         context = multiprocessing.get_context("fork")
@@ -88,7 +107,7 @@ class _Pool:
         Pool.destroy(self.path)
 
 
-def _blocks(size: int, count: int, seed: int) -> list[np.ndarray]:
+def random_blocks(size: int, count: int, seed: int) -> list[np.ndarray]:
     rng = np.random.default_rng(seed)
     return [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(count)]
 
@@ -104,6 +123,11 @@ def _drop(pool, offsets: np.ndarray, size: int) -> None:
     pool.region.fence()
 
 
+def _evict_all(pool) -> None:
+    while pool.index.evict(64, window=pool.index.capacity):
+        pass
+
+
 class _Copies:
     """The baselines, on ``count`` pool ranges of ``size`` bytes: memcpy
     from memory (the ranges dropped from the cache first), the
@@ -112,7 +136,7 @@ class _Copies:
 
     def __init__(self, size: int, count: int, pool):
         self.pool, self.size = pool, size
-        self.src = _blocks(size, count, 1)
+        self.src = random_blocks(size, count, 1)
         self.dst = [np.empty(size, np.uint8) for _ in range(count)]
         self.offsets = np.array([pool.alloc(size) for _ in range(count)], dtype=np.int64)
         pool.region.copy_in_blocks(self.offsets, self.src)
@@ -125,17 +149,18 @@ class _Copies:
         function()
         return time.perf_counter() - start
 
-    def memcpy(self) -> float:
-        return self._timed(lambda: [np.copyto(b, a) for a, b in zip(self.in_pool, self.dst)])
-
-    def nontemporal(self) -> float:
-        return self._timed(lambda: self.pool.region.copy_in_blocks(self.offsets, self.src))
-
-    def cached(self) -> float:
+    def step(self, round_: int) -> dict[str, float]:
+        times = {"nt_copy": self._timed(lambda: self.pool.region.copy_in_blocks(self.offsets,
+                                                                              self.src)),
+                 "memcpy": self._timed(lambda: [np.copyto(b, a)
+                                                for a, b in zip(self.in_pool, self.dst)])}
         start = time.perf_counter()
         for a, b in zip(self.src, self.dst):
             np.copyto(b, a)
-        return time.perf_counter() - start
+        times["memcpy_cached"] = time.perf_counter() - start
+        times["two_copy_best"] = times["nt_copy"] + times["memcpy"]
+        times["two_copy_memcpy"] = 2 * times["memcpy"]
+        return times
 
     def close(self) -> None:
         self.in_pool.clear()
@@ -143,45 +168,40 @@ class _Copies:
             self.pool.free(offset)
 
 
-def _put_get(size: int, count: int, repeats: int, pool) -> dict[str, float]:
-    """put and get with and without checksums, and the baselines, measured
-    round by round in turn (a noisy neighbour hurts them alike)."""
-    connectors = {True: Connector(pool, layout_of(size), checksum=True),
-                  False: Connector(pool, layout_of(size), checksum=False)}
-    copies = _Copies(size, count, pool)
-    blocks = _blocks(size, count, 2)
+@contextlib.contextmanager
+def _put_get(size: int, count: int, pool, checksum: bool):
+    """A round: put ``count`` absent blocks, then get them back."""
+    connector = Connector(pool, layout_of(size), checksum=checksum)
+    blocks = random_blocks(size, count, 2)
     outs = [np.empty(size, np.uint8) for _ in range(count)]
-    samples: dict[str, list[float]] = {}
-    for round_ in range(repeats + 1):
-        times = {"nt": copies.nontemporal(), "memcpy": copies.memcpy(),
-                 "memcpy_cached": copies.cached()}
-        for checksum, connector in connectors.items():
-            keys = np.random.default_rng([round_, checksum]).integers(
-                0, 2**63, size=(count, 2), dtype=np.uint64)
-            start = time.perf_counter()
-            stored = connector.store(keys, blocks)
-            middle = time.perf_counter()
-            loaded = connector.load(keys, outs)
-            end = time.perf_counter()
-            assert stored == loaded == count, (stored, loaded)
-            suffix = "" if checksum else "_plain"
-            times["put" + suffix], times["get" + suffix] = middle - start, end - middle
-            hits = pool.index.pin(keys)  # as if read last by another host
-            _drop(pool, hits.offsets, size)
-            pool.index.unpin(hits)
-            while pool.index.evict(64, window=pool.index.capacity):
-                pass
-        if round_:  # the first is a warm-up
-            for name, seconds in times.items():
-                samples.setdefault(name, []).append(seconds)
-    copies.close()
-    return {name: _gbps(size * count, statistics.median(values))
-            for name, values in samples.items()}
+    suffix = "" if checksum else "_plain"
+
+    def step(round_: int) -> dict[str, float]:
+        keys = np.random.default_rng([round_, checksum]).integers(
+            0, 2**63, size=(count, 2), dtype=np.uint64)
+        start = time.perf_counter()
+        stored = connector.store(keys, blocks)
+        middle = time.perf_counter()
+        loaded = connector.load(keys, outs)
+        end = time.perf_counter()
+        assert stored == loaded == count, (stored, loaded)
+        hits = pool.index.pin(keys)  # as if read last by another host
+        _drop(pool, hits.offsets, size)
+        pool.index.unpin(hits)
+        _evict_all(pool)
+        return {"put" + suffix: middle - start, "get" + suffix: end - middle}
+
+    try:
+        yield step
+    finally:
+        connector.close()
 
 
 # ---------------------------------------------------------------- handoff
 
-def _decode(path: str, size: int, count: int, pipe, checksum: bool) -> None:
+def decode_worker(path: str, size: int, count: int, pipe, checksum: bool) -> None:
+    """The decode side of the handoff (node 1): takes each ticket it is
+    sent, answers the seconds since its ``started`` and the blocks taken."""
     with Pool.open(path, 1, populate=True) as pool:
         connector = Connector(pool, layout_of(size), checksum=checksum)
         outs = [np.empty(size, np.uint8) for _ in range(count)]
@@ -192,44 +212,39 @@ def _decode(path: str, size: int, count: int, pipe, checksum: bool) -> None:
             pipe.send((done - started, taken.blocks))
 
 
-def _tract_handoff(path: str, size: int, count: int, repeats: int, pool,
-                   checksum: bool = True) -> tuple[float, float]:
-    """GB/s of the handoff, and of its bound (two memcpys from memory, timed
-    in the same rounds)."""
+@contextlib.contextmanager
+def _tract_handoff(path: str, size: int, count: int, pool, checksum: bool = True):
+    """A round: offer ``count`` blocks here (node 0), take them in a decode
+    process (node 1)."""
     connector = Connector(pool, layout_of(size), checksum=checksum)
-    copies = _Copies(size, count, pool)
-    blocks = _blocks(size, count, 3)
+    blocks = random_blocks(size, count, 3)
     context = multiprocessing.get_context("fork")
     ours, theirs = context.Pipe()
-    decoder = context.Process(target=_decode, args=(path, size, count, theirs, checksum))
+    decoder = context.Process(target=decode_worker, args=(path, size, count, theirs, checksum))
     decoder.start()
-    times, bounds = [], []
+
+    def step(round_: int) -> dict[str, float]:
+        keys = np.random.default_rng([7, round_]).integers(0, 2**63, size=(count, 2),
+                                                            dtype=np.uint64)
+        started = time.monotonic()
+        ticket = connector.offer(f"bench-{round_}", keys, blocks)
+        ours.send((ticket, started))
+        elapsed, loaded = ours.recv()
+        assert loaded == count, loaded
+        # read by the decode side, which here shares this CPU's caches: dropped, as
+        # on a rack, where it runs on another host
+        _drop(pool, connector.offers[f"bench-{round_}"].hits.offsets, size)
+        connector.release()
+        _evict_all(pool)
+        return {"handoff": elapsed}
+
     try:
-        for round_ in range(repeats + 1):
-            keys = np.random.default_rng([7, round_]).integers(0, 2**63, size=(count, 2),
-                                                                dtype=np.uint64)
-            bound = 2 * copies.memcpy()
-            started = time.monotonic()
-            ticket = connector.offer(f"bench-{round_}", keys, blocks)
-            ours.send((ticket, started))
-            elapsed, loaded = ours.recv()
-            assert loaded == count, loaded
-            if round_:
-                times.append(elapsed)
-                bounds.append(bound)
-            # read by the decode side, which here shares this CPU's caches: dropped, as
-            # on a rack, where it runs on another host
-            _drop(pool, connector.offers[f"bench-{round_}"].hits.offsets, size)
-            connector.release()
-            while pool.index.evict(64, window=pool.index.capacity):
-                pass
+        yield step
     finally:
-        ours.send(None)
+        with contextlib.suppress(OSError):
+            ours.send(None)
         decoder.join(30)
         connector.close()
-        copies.close()
-    nbytes = size * count
-    return _gbps(nbytes, statistics.median(times)), _gbps(nbytes, statistics.median(bounds))
 
 
 def _tcp_receive(port: int, size: int, count: int, pipe) -> None:
@@ -244,8 +259,11 @@ def _tcp_receive(port: int, size: int, count: int, pipe) -> None:
             pipe.send(time.monotonic() - message)
 
 
-def _tcp_handoff(size: int, count: int, repeats: int) -> float:
-    blocks = _blocks(size, count, 4)
+@contextlib.contextmanager
+def _tcp_handoff(size: int, count: int):
+    """A round: ``count`` blocks sent over TCP loopback to a receiving
+    process, timed from the first send to the last byte received."""
+    blocks = random_blocks(size, count, 4)
     with socket.create_server(("127.0.0.1", 0)) as server:
         port = server.getsockname()[1]
         context = multiprocessing.get_context("fork")
@@ -253,22 +271,89 @@ def _tcp_handoff(size: int, count: int, repeats: int) -> float:
         receiver = context.Process(target=_tcp_receive, args=(port, size, count, theirs))
         receiver.start()
         conn, _ = server.accept()
-        times = []
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+        def step(round_: int) -> dict[str, float]:
+            ours.send(time.monotonic())
+            for block in blocks:
+                conn.sendall(block)
+            return {"tcp_loopback": ours.recv()}
+
         try:
             with conn:
-                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                for round_ in range(repeats + 1):
-                    started = time.monotonic()
-                    ours.send(started)
-                    for block in blocks:
-                        conn.sendall(block)
-                    elapsed = ours.recv()
-                    if round_:
-                        times.append(elapsed)
+                yield step
         finally:
-            ours.send(None)
+            with contextlib.suppress(OSError):
+                ours.send(None)
             receiver.join(30)
-    return _gbps(size * count, statistics.median(times))
+
+
+@contextlib.contextmanager
+def _peer(name: str, size: int, count: int):
+    with Peer(name, size, count) as peer:
+        yield lambda round_: {name: peer.sample(round_)}
+
+
+def _rounds(steps: dict[str, object], repeats: int, notes: list[str]) -> dict[str, list[float]]:
+    """Each step once a round, in turn (the first round warms up, untimed);
+    the seconds of every measurement, round by round.  A step that fails
+    with `Unavailable` is dropped, its samples with it, and noted."""
+    samples: dict[str, list[float]] = {}
+    dropped: set[str] = set()
+    for round_ in range(repeats + 1):
+        for name, step in steps.items():
+            if name in dropped:
+                continue
+            try:
+                times = step(round_)
+            except Unavailable as why:
+                dropped.add(name)
+                notes.append(f"{why.args[0]} (dropped after {max(round_ - 1, 0)} rounds)")
+                continue
+            if round_:
+                for measured, seconds in times.items():
+                    samples.setdefault(measured, []).append(seconds)
+    for name in dropped:
+        samples.pop(name, None)
+    return samples
+
+
+#: (tract's measurement, its figure's name, the baseline it is held to)
+COMPARISONS = [("put", "put", "nt_copy"), ("get", "get", "memcpy"),
+               ("get", "get", "memcpy_cached"),
+               ("put_plain", "put,no-checksum", "nt_copy"),
+               ("get_plain", "get,no-checksum", "memcpy"),
+               ("handoff", "handoff", "two_copy_best"), ("handoff", "handoff", "two_copy_memcpy"),
+               ("handoff", "handoff", "tcp_loopback"),
+               *[("handoff", "handoff", peer) for peer in PEERS]]
+
+
+def _cpu(size: int, count: int, repeats: int, harness: BenchPool, peers: bool,
+         notes: list[str]) -> list[Result]:
+    nbytes = size * count
+    with contextlib.ExitStack() as stack:
+        copies = _Copies(size, count, harness.pool)
+        stack.callback(copies.close)
+        steps = {"copies": copies.step,
+                 "put_get": stack.enter_context(_put_get(size, count, harness.pool, True)),
+                 "put_get_plain": stack.enter_context(_put_get(size, count, harness.pool,
+                                                               False)),
+                 "handoff": stack.enter_context(_tract_handoff(harness.path, size, count,
+                                                               harness.pool)),
+                 "tcp_loopback": stack.enter_context(_tcp_handoff(size, count))}
+        for name in PEERS if peers else ():
+            try:
+                steps[name] = stack.enter_context(_peer(name, size, count))
+            except Unavailable as why:
+                if why.args[0] not in notes:
+                    notes.append(why.args[0])
+        samples = _rounds(steps, repeats, notes)
+    label = f"{_label(size)}x{count}"
+    return [Result(f"transfer[{figure},{label}]", _gbps(nbytes, statistics.median(samples[ours])),
+                   "GB/s", True, baseline,
+                   _gbps(nbytes, statistics.median(samples[baseline])),
+                   paired(samples[ours], samples[baseline]))
+            for ours, figure, baseline in COMPARISONS if baseline in samples]
 
 
 # ------------------------------------------------------------------ CUDA
@@ -323,69 +408,32 @@ def _cuda(size: int, count: int, repeats: int, pool, segments: int = 1) -> list[
             for samples, value in ((put, put_time), (get, get_time), (d2h, to_host),
                                    (h2d, to_device)):
                 samples.append(value)
-        while pool.index.evict(64, window=pool.index.capacity):
-            pass
+        _evict_all(pool)
     nbytes = size * count
     connector.close()
-    results = []
-    for kind, ours, bound, baseline in (("put", put, d2h, "pinned_d2h_copy"),
-                                        ("get", get, h2d, "pinned_h2d_copy")):
-        ratios = sorted(b / o for o, b in zip(ours, bound))
-        results.append(Result(f"transfer[{kind},{label}]", _gbps(nbytes, statistics.median(ours)),
-                              "GB/s", True, baseline, _gbps(nbytes, statistics.median(bound))))
-        results.append(Result(f"paired ratio[{kind},{label}] median {statistics.median(ratios):.3f}"
-                              f" range {ratios[0]:.3f}-{ratios[-1]:.3f}", 0.0, "note", True))
-    return results
+    return [Result(f"transfer[{kind},{label}]", _gbps(nbytes, statistics.median(ours)), "GB/s",
+                   True, baseline, _gbps(nbytes, statistics.median(bound)), paired(ours, bound))
+            for kind, ours, bound, baseline in (("put", put, d2h, "pinned_d2h_copy"),
+                                                ("get", get, h2d, "pinned_h2d_copy"))]
 
 
 # ------------------------------------------------------------------- run
 
 def run(quick: bool = False, peers: bool = True, device: str = "cpu") -> list[Result]:
-    shapes = [(256 * KIB, 16), (2 * MIB, 8), (16 * MIB, 2)]
-    if not quick:
-        shapes.append((1 * MIB, 750))  # a 6000-token Llama-3-8B prompt: 128 KiB a token
     repeats = 3 if quick else 9
+    sizes = shapes(quick)
+    harness = BenchPool(max(size * count for size, count in sizes))
     results: list[Result] = []
     notes: list[str] = []
-    harness = _Pool(max(size * count for size, count in shapes))
-    if device == "cuda":
-        # and the per-layer case: a 2 MiB block as 64 tensors (32 layers x K, V)
-        try:
-            return [result for size, count, segments in
-                    [(size, count, 1) for size, count in shapes] + [(2 * MIB, 8, 64)]
-                    for result in _cuda(size, count, repeats, harness.pool, segments)]
-        finally:
-            harness.close()
     try:
-        for size, count in shapes:
-            label = f"{_label(size)}x{count}"
-            rates = _put_get(size, count, repeats, harness.pool)
-            # the bound: two copies, into the pool and out
-            handoff, bound = _tract_handoff(harness.path, size, count, repeats, harness.pool)
-            results += [
-                Result(f"transfer[put,{label}]", rates["put"], "GB/s", True, "nt_copy",
-                       rates["nt"]),
-                Result(f"transfer[get,{label}]", rates["get"], "GB/s", True, "memcpy",
-                       rates["memcpy"]),
-                Result(f"transfer[get,{label}]", rates["get"], "GB/s", True,
-                       "memcpy_cached", rates["memcpy_cached"]),
-                Result(f"transfer[put,no-checksum,{label}]", rates["put_plain"], "GB/s", True,
-                       "nt_copy", rates["nt"]),
-                Result(f"transfer[get,no-checksum,{label}]", rates["get_plain"], "GB/s", True,
-                       "memcpy", rates["memcpy"]),
-                Result(f"transfer[handoff,{label}]", handoff, "GB/s", True,
-                       "two_copy_memcpy", bound),
-            ]
-            baselines = {"tcp_loopback": _tcp_handoff, **(PEERS if peers else {})}
-            for name, measure in baselines.items():
-                try:
-                    value = measure(size, count, repeats)
-                except Unavailable as why:
-                    if why.args[0] not in notes:
-                        notes.append(why.args[0])
-                    continue
-                results.append(Result(f"transfer[handoff,{label}]", handoff, "GB/s", True,
-                                      name, value))
+        if device == "cuda":
+            # and the per-layer case: a 2 MiB block as 64 tensors (32 layers x K, V)
+            for size, count, segments in [(size, count, 1) for size, count in sizes] + \
+                    [(2 * MIB, 32, 64)]:
+                results += _cuda(size, count, repeats, harness.pool, segments)
+            return results
+        for size, count in sizes:
+            results += _cpu(size, count, repeats, harness, peers, notes)
     finally:
         harness.close()
     for note in notes:
