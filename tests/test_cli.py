@@ -59,7 +59,8 @@ def test_bench_region_json_schema():
     assert {"cpu_model", "cores", "cache_control"} <= set(report["machine"])
     names = set()
     for result in report["results"]:
-        assert set(result) == {"name", "value", "unit", "baseline", "baseline_value", "ratio"}
+        assert set(result) == {"name", "value", "unit", "baseline", "baseline_value", "ratio",
+                               "ratio_min", "ratio_max"}
         assert isinstance(result["value"], float) and result["value"] > 0
         assert "is better" in result["unit"]
         if result["baseline"] is None:
@@ -79,6 +80,17 @@ def test_result_ratio_orientation():
     cost = bench.Result("c", 20.0, "ns", False, "base", 10.0)
     assert rate.ratio == 2.0 and cost.ratio == 0.5
     assert bench.Result("x", 1.0, "ns", False).ratio is None
+
+
+def test_paired_ratios_are_taken_round_by_round():
+    """Each round's ratio is its baseline's seconds over tract's: the
+    median, lowest and highest of them (not a ratio of two medians)."""
+    assert bench.paired([1.0, 2.0, 4.0], [2.0, 2.0, 2.0]) == (1.0, 0.5, 2.0)
+    result = bench.Result("r", 1.0, "GB/s", True, "base", 3.0, bench.paired([1.0], [1.5]))
+    assert result.as_dict()["ratio"] == result.ratio == 1.5
+    assert (result.as_dict()["ratio_min"], result.as_dict()["ratio_max"]) == (1.5, 1.5)
+    with pytest.raises(ValueError, match="as many rounds"):
+        bench.paired([1.0], [])
 
 
 @pytest.mark.multiprocess

@@ -1,7 +1,8 @@
 """asv: moving KV blocks (`tract bench transfer`, the tract side): put
 (reserve, copy, checksum, publish) and get (pin, fresh copy, checksum
 check, unpin) of 8 blocks, next to memcpy and the non-temporal copy of the
-same bytes, their baselines; and the handoff of 8 blocks from this process
+same bytes, their baselines, and the two copies a CPU handoff must make
+(``two_copy_best``); and the handoff of 8 blocks from this process
 (prefill, node 0) to a decode process on node 1, ticket sent by a pipe."""
 
 import multiprocessing
@@ -43,6 +44,12 @@ class Blocks:
 
     def time_nontemporal_copy(self, size, checksum):
         self.pool.region.copy_in_blocks(self.offsets, self.blocks)
+
+    def time_two_copy_best(self, size, checksum):
+        """The handoff's bound: the non-temporal copy in, then memcpy out."""
+        self.pool.region.copy_in_blocks(self.offsets, self.blocks)
+        for offset, out in zip(self.offsets.tolist(), self.outs):
+            np.copyto(out, np.frombuffer(self.pool.region.view(offset, size), np.uint8))
 
 
 class Handoff:
