@@ -30,6 +30,7 @@ BENCHMARKS = {
     "incoherent": "tract.testing.bench_incoherent",  # the simulator's own
     "lock": "tract.bench.lock",
     "region": "tract.bench.region",
+    "scale": "tract.testing.bench_scale",  # counts on the simulator
     "trace": "tract.bench.trace",
     "transfer": "tract.bench.transfer",
 }

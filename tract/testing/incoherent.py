@@ -56,6 +56,7 @@ therefore the whole run, bit for bit.  A failing run raises
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import random
 import threading
@@ -181,6 +182,7 @@ class SimPool:
         self.steps = 0
         self._hot: list[int] = []  # lines touched, in first-touch order
         self._touched: set[int] = set()
+        self._watched: dict[int, set[int]] = {}  # host -> lines it touched since `watch`
         self.hosts = [SimHost(self, index) for index in range(hosts)]
         self.clock = SimClock(self)
         self.slept = 0.0
@@ -261,6 +263,8 @@ class SimPool:
         if line >= 0 and line not in self._touched:
             self._touched.add(line)
             self._hot.append(line)
+        if line >= 0 and host in self._watched:
+            self._watched[host].add(line * LINE)
         if self._aborting:
             raise _Abort()
         if self.steps > self.max_steps:
@@ -285,6 +289,18 @@ class SimPool:
                 self._baton.wait()
         if self._aborting:
             raise _Abort()
+
+    @contextlib.contextmanager
+    def watch(self, host: int):
+        """The pool offsets of the lines host ``host`` reads, writes, flushes
+        or drops inside the block: a set, filled as it runs."""
+        if host in self._watched:
+            raise RuntimeError(f"host {host}'s lines are already watched")
+        self._watched[host] = lines = set()
+        try:
+            yield lines
+        finally:
+            del self._watched[host]
 
     def crash(self, host: int, after: int) -> None:
         """Make host ``host`` die after ``after`` more of its memory
