@@ -123,3 +123,24 @@ def test_a_block_across_a_registration_chunk(pool_path):
         assert TransferEngine(pool, LAYOUT).load(offsets, [cpu], sums).all()
         assert bytes(cpu) == blocks[0].cpu().view(torch.uint8).numpy().tobytes()
         engine.close()
+
+
+def test_per_layer_blocks_through_the_staging_ring(pool, monkeypatch):
+    """Blocks as an engine's per-layer K and V tensors (2 x layers
+    segments each), more of them than the staging ring has slots: the same
+    bytes and checksums as whole blocks moved from the CPU."""
+    import tract.cuda as cuda
+
+    monkeypatch.setattr(cuda, "STAGING_BYTES", 3 * LAYOUT.block_bytes)
+    engine = TransferEngine(pool, LAYOUT)
+    blocks = _blocks(7, 5)
+    split = [[half for layer in block for half in layer] for block in blocks]  # [layer][K|V]
+    offsets = [pool.alloc(LAYOUT.block_bytes) for _ in blocks]
+    sums = engine.store(offsets, split)
+    host = [block.cpu() for block in blocks]
+    assert (TransferEngine(pool, LAYOUT).store(offsets, host) == sums).all()
+    outs = [[torch.empty_like(half) for half in block] for block in split]
+    assert engine.load(offsets, outs, sums).all()
+    for block, out in zip(split, outs):
+        assert all(torch.equal(a, b) for a, b in zip(block, out))
+    engine.close()

@@ -365,11 +365,10 @@ def test_native_copies_trace_what_the_simulator_models(copy_regions):
             assert traces[0].count([TRACE_STORE_FENCE, -1]) == 2
 
 
-def test_digest_blocks_hash_and_write_back_what_the_simulator_models(copy_regions):
+def test_digest_blocks_hash_what_the_simulator_hashes(copy_regions):
     """`digest_blocks` (the digests of bytes a DMA engine moved): the same
-    digests as `digest` of each piece, and the same write-backs (each
-    piece's lines, the payload instruction; none without ``writeback``) as
-    `SimHost` models; bad shapes are refused before anything is read."""
+    digests as `digest` of each piece, as `SimHost` computes them, and no
+    cache control; bad shapes are refused before anything is read."""
     from tract._native._region import digest
     from tract.testing.incoherent import SimPool
 
@@ -382,28 +381,17 @@ def test_digest_blocks_hash_and_write_back_what_the_simulator_models(copy_region
         count = int(rng.integers(1, 4))
         offsets = (numpy.arange(count) * (length + int(rng.integers(0, 200)))
                    + int(rng.integers(0, 200))).astype(numpy.int64)
-        writeback = bool(rng.integers(2))
         size = piece or length
         want = [digest(region.view(int(offset) + at, size), 5)
                 for offset in offsets for at in range(0, length, size)]
         simulated = SimPool(region.size, hosts=1, seed=0, chaos=0.0)
         simulated.hosts[0].copy_in(0, region.read(0, 1 << 16), nontemporal=False)
-        traces, results = [], []
         for target in (region, simulated.hosts[0]):
             sums = numpy.zeros(len(want), numpy.uint64)
-            if target is region:
-                target.trace_start(4096)
-                target.digest_blocks(offsets, length, sums, 5, piece, writeback)
-            else:
-                target.trace_control = region.cache_control
-                target.trace_start(4096)
-                simulated.run(lambda host, sums=sums: host.digest_blocks(
-                    offsets, length, sums, 5, piece, writeback))
-            traces.append(target.trace_stop().tolist())
-            results.append(sums.tolist())
-        assert results[0] == results[1] == want, (piece, length, offsets.tolist())
-        assert traces[0] == traces[1], (piece, length, offsets.tolist(), writeback)
-        assert bool(traces[0]) == writeback
+            target.trace_start(4096)
+            target.digest_blocks(offsets, length, sums, 5, piece)
+            assert target.trace_stop().tolist() == []
+            assert sums.tolist() == want, (piece, length, offsets.tolist())
     sums = numpy.zeros(2, numpy.uint64)
     with pytest.raises(ValueError, match="not a whole number of 64-byte pieces"):
         region.digest_blocks(numpy.zeros(1, numpy.int64), 100, sums, 0, 64)

@@ -223,6 +223,8 @@ NOT_MUTATED = {
     "tract.bench.region": "times the primitives themselves (a benchmark, no protocol step)",
     "tract.bench.transfer": "drops the cache before a timed read (a benchmark, no protocol step)",
     "tract.integrations.vllm_proxy": "wfile.flush() is a socket file's, not cache control",
+    "tract.testing.bench_scale": "a benchmark: each simulated host starts fresh once the "
+                                 "pool is formatted (no protocol step)",
     "tract.testing.faults": "fault injection: corrupts lines on purpose",
     "tract.testing.incoherent": "the simulator (its copies are made of its own primitives)",
 }

@@ -241,7 +241,7 @@ def test_cuda_stores_reach_another_host_and_loads_read_fresh(checksum):
             pools.append(types.SimpleNamespace(region=host,
                                                header=types.SimpleNamespace(hash_key=bytes(16))))
             engine = TransferEngine(pools[-1], layout, checksum=checksum)
-            engines.append(CudaTransfer(engine, dma=_HostDma(host)))
+            engines.append(CudaTransfer(engine, dma=_HostDma(host), threads=0))
         generator = torch.Generator().manual_seed(seed)
         blocks = [torch.randint(0, 256, (layout.block_bytes,), dtype=torch.uint8,
                                 generator=generator) for _ in offsets]
@@ -326,3 +326,58 @@ def test_dma_ranges_are_cut_at_registration_chunks():
                                                        (REGISTER_CHUNK, 200)]
     assert list(spans(10, 25, chunk=10)) == [(10, 10), (20, 10), (30, 5)]
     assert list(spans(5, 0)) == []
+
+
+def test_blocks_of_many_segments_go_through_the_staging_ring(monkeypatch):
+    """`CudaDma`'s plans, run on CPU tensors (torch's stream calls made
+    no-ops, as its copies are synchronous here): a block of several
+    segments is gathered into a slot of the ring and moved whole, a block
+    of one moves directly, and the ring wraps; the same bytes land and
+    come back either way, and each block is reported landed in order."""
+    import contextlib
+
+    import torch
+
+    import tract.cuda as cuda
+    from tract.region import scratch_region
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+        def synchronize(self):
+            pass
+
+    class Event:
+        def record(self, stream):
+            pass
+
+        def synchronize(self):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(cuda, "STAGING_BYTES", 3 * 4096)
+    rng = np.random.default_rng(8)
+    blocks = [[torch.from_numpy(rng.integers(0, 256, 1024, dtype=np.uint8)) for _ in range(4)]
+              for _ in range(7)]
+    blocks[2] = [torch.from_numpy(rng.integers(0, 256, 4096, dtype=np.uint8))]
+    plans = [(8192 * i + 64, block) for i, block in enumerate(blocks)]
+    with scratch_region(1 << 20, name="staging") as region:
+        dma = cuda.CudaDma.__new__(cuda.CudaDma)  # the copies alone: no registration
+        dma.torch, dma.staging, dma.stream = torch, None, Stream()
+        dma.host = torch.from_numpy(region.view())
+        landed = []
+        dma.to_pool(plans, landed.append)
+        assert landed == list(range(7)) and tuple(dma.staging.shape) == (3, 4096)
+        for offset, block in plans:
+            assert region.read(offset, 4096) == b"".join(bytes(s.numpy()) for s in block)
+        outs = [[torch.zeros(s.numel(), dtype=torch.uint8) for s in block] for block in blocks]
+        meanwhile = []
+        dma.from_pool([(offset, out) for (offset, _), out in zip(plans, outs)],
+                      lambda: meanwhile.append(True))
+        assert meanwhile == [True]
+        for block, out in zip(blocks, outs):
+            assert all(torch.equal(a, b) for a, b in zip(block, out))
+        dma.host = dma.staging = None

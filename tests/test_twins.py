@@ -83,9 +83,9 @@ def test_copy_out_blocks_drops_every_block_then_fences_once(region):
         twins.check("tract._native._region.Region.copy_out_blocks", want, got, context=trial)
 
 
-def test_digest_blocks_is_a_digest_then_a_flush_per_piece(region):
-    """`digest_blocks`: each piece hashed where it lies, then (with
-    ``writeback``) its lines flushed with the payload instruction; no fence."""
+def test_digest_blocks_is_a_digest_per_piece(region):
+    """`digest_blocks`: each piece hashed where it lies, in one call, with
+    no cache control (its caller drops and fences, R4)."""
     from tract._native._region import digest
 
     rng = random.Random(5)
@@ -96,24 +96,20 @@ def test_digest_blocks_is_a_digest_then_a_flush_per_piece(region):
         length = piece * rng.randint(1, 3) if piece else rng.randint(1, 9000)
         offsets = np.array([rng.randrange(0, (1 << 16) - length) for _ in range(rng.randint(1, 4))],
                            dtype=np.int64)
-        writeback, size = bool(trial % 2), piece or length
+        size = piece or length
 
         def blocks():
             sums = np.zeros(len(offsets) * (length // size), np.uint64)
-            region.digest_blocks(offsets, length, sums, 9, piece, writeback)
+            region.digest_blocks(offsets, length, sums, 9, piece)
             return sums.tolist()
 
         def one_by_one():
-            sums = []
-            for offset in offsets.tolist():
-                for at in range(offset, offset + length, size):
-                    sums.append(digest(region.view(at, size), 9))
-                    if writeback:
-                        region.flush(at, size, payload=True)
-            return sums
+            return [digest(region.view(at, size), 9) for offset in offsets.tolist()
+                    for at in range(offset, offset + length, size)]
 
         want, got = twins.both(region, area, one_by_one, blocks)
         twins.check("tract._native._region.Region.digest_blocks", want, got, context=trial)
+        assert got.batches == []
 
 
 def test_fresh_kind_reads_the_head_record_as_the_python_step_does(pool_path):

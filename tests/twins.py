@@ -89,8 +89,7 @@ TWINS: dict[str, Twin] = {twin.fast: twin for twin in (
          "tract._native._region.Region.invalidate (payload) per block, fence, copy_out per "
          "block"),
     Twin("tract._native._region.Region.digest_blocks",
-         "tract._native._region.digest + tract._native._region.Region.flush (payload), per "
-         "piece"),
+         "tract._native._region.digest (per piece)"),
 )}
 
 #: fast entry points that are no protocol step, and why they need no twin

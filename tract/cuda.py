@@ -13,14 +13,16 @@ cache of the host that owns the device, so a store writes its ranges back
 (the payload instruction) and fences before it returns (R3); a load drops
 its ranges first and fences (R4), so the DMA engine, which snoops this
 host's caches, cannot read a stale line.  Checksums are computed by the CPU
-over the pool ranges, overlapping the DMA (``checksum=False`` skips them):
-on a store, each block as soon as its copy has landed, while its lines are
-still cached, and written back right after (`Region.digest_blocks`); on a
-load, while the DMA reads the ranges.
+over the pool ranges (`Region.digest_blocks`), on `DIGEST_THREADS` threads
+that only read, overlapping the DMA (``checksum=False`` skips them): on a
+store, each block as soon as its copy has landed (the calling thread writes
+it back meanwhile); on a load, while the DMA reads the ranges.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import os
 import threading
 
 import numpy as np
@@ -117,13 +119,25 @@ class HostRegistrations:
 REGISTRATIONS = HostRegistrations()
 
 
+#: device memory for gathering a block's segments before its DMA (and
+#: scattering them after): a ring of block-sized slots, at least one
+STAGING_BYTES = 64 << 20
+
+
 class CudaDma:
     """The device half: the mapping registered with CUDA (pinned host
     memory, see `HostRegistrations`) and the copies between device tensors
     and pool ranges, on a dedicated stream that first waits for the
     caller's current stream (the kernels that wrote the blocks, or still
     use the targets).  ``plans`` are ``(pool offset, flat uint8 segments)``,
-    already checked; both calls return once the copies are done."""
+    already checked; both calls return once the copies are done.
+
+    A block of one segment moves by one DMA.  A block of several (an
+    engine's per-layer K and V: 64 pieces of 32 KiB for Llama-3-8B) is
+    gathered on the device into a slot of a staging ring by one kernel and
+    moved by one DMA (a load: one DMA, then one kernel scatters it), as a
+    DMA per piece costs more to issue than to run; everything runs in order
+    on the one stream, so a slot is reused only after its last copy."""
 
     def __init__(self, region):
         import torch
@@ -134,14 +148,46 @@ class CudaDma:
         self.runtime = torch.cuda.cudart()
         self.stream = torch.cuda.Stream()
         self.base = region.base
+        self.staging = None
         REGISTRATIONS.acquire(self.runtime, self.base, region.size)
         self.host = torch.from_numpy(region.view())  # the mapping, pinned
 
     def close(self) -> None:
         if self.host is None:
             return
-        self.host = None
+        self.host = self.staging = None
         REGISTRATIONS.release(self.runtime, self.base)
+
+    def _slots(self, plans):
+        """A staging slot for each plan of several segments (None for the
+        others), the ring allocated on first use, on this stream."""
+        sizes = [sum(s.numel() for s in flat) for _, flat in plans if len(flat) > 1]
+        if not sizes:
+            return [None] * len(plans)
+        slot = max(sizes)
+        count = max(1, min(len(sizes), STAGING_BYTES // slot))
+        if self.staging is None or self.staging.shape != (count, slot):
+            self.staging = self.torch.empty((count, slot), dtype=self.torch.uint8,
+                                            device=plans[0][1][0].device)
+        slots, used = [], 0
+        for _, flat in plans:
+            if len(flat) > 1:
+                size = sum(s.numel() for s in flat)
+                slots.append(self.staging[used % count, :size])
+                used += 1
+            else:
+                slots.append(None)
+        return slots
+
+    def _dma(self, offset: int, device, to_pool: bool) -> None:
+        """One contiguous device buffer to or from the range at ``offset``
+        (a DMA per registration chunk it spans)."""
+        for start, length in spans(offset, device.numel()):
+            at = start - offset
+            if to_pool:
+                self.host[start:start + length].copy_(device[at:at + length], non_blocking=True)
+            else:
+                device[at:at + length].copy_(self.host[start:start + length], non_blocking=True)
 
     def to_pool(self, plans, landed=None) -> None:
         """Copy each plan's segments to its range; ``landed(i)`` is called
@@ -151,13 +197,12 @@ class CudaDma:
         events = []
         self.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream):
-            for offset, flat in plans:
-                for segment in flat:
-                    for start, length in spans(offset, segment.numel()):
-                        at = start - offset
-                        self.host[start:start + length].copy_(segment[at:at + length],
-                                                              non_blocking=True)
-                    offset += segment.numel()
+            for (offset, flat), slot in zip(plans, self._slots(plans)):
+                if slot is None:
+                    self._dma(offset, flat[0], True)
+                else:
+                    torch.cat(flat, out=slot)
+                    self._dma(offset, slot, True)
                 if landed is not None:
                     events.append(torch.cuda.Event())
                     events[-1].record(self.stream)
@@ -172,33 +217,43 @@ class CudaDma:
         torch = self.torch
         self.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream):
-            for offset, flat in plans:
-                for segment in flat:
-                    for start, length in spans(offset, segment.numel()):
-                        at = start - offset
-                        segment[at:at + length].copy_(self.host[start:start + length],
-                                                      non_blocking=True)
-                    offset += segment.numel()
+            for (offset, flat), slot in zip(plans, self._slots(plans)):
+                if slot is None:
+                    self._dma(offset, flat[0], False)
+                    continue
+                self._dma(offset, slot, False)
+                torch._foreach_copy_(flat, list(slot.split([s.numel() for s in flat])))
         if meanwhile is not None:
             meanwhile()
         self.stream.synchronize()
+
+
+#: threads that hash DMA'd blocks for their checksums (the copies are at
+#: the link's speed; one core hashes a few GB/s): up to 8, half the cores
+DIGEST_THREADS = max(1, min(8, (os.cpu_count() or 2) // 2))
 
 
 class CudaTransfer:
     """The CUDA half of one `TransferEngine`: the cache rules around the
     copies of ``dma`` (a `CudaDma` by default; the simulated suite gives a
     copier that stores through the host's cache, as DMA into a host's last
-    level cache does)."""
+    level cache does).  Every flush, drop and fence is issued by the
+    calling thread; the ``threads`` hashing for the checksums only read
+    (0: the calling thread hashes too)."""
 
-    def __init__(self, engine, dma=None):
+    def __init__(self, engine, dma=None, threads: int = DIGEST_THREADS):
         import torch
 
-        self.engine, self.region = engine, engine.region
+        self.engine, self.region, self.threads = engine, engine.region, threads
         self.torch = torch
+        self.hashers = (concurrent.futures.ThreadPoolExecutor(threads, "tract-digest")
+                        if threads > 0 else None)
         self.dma = dma if dma is not None else CudaDma(self.region)
 
     def close(self) -> None:
         self.dma.close()
+        if self.hashers is not None:
+            self.hashers.shutdown()
 
     def _flat(self, block):
         torch = self.torch
@@ -223,26 +278,39 @@ class CudaTransfer:
             plans.append((offset, flat))
         return plans
 
-    def _sums(self, count: int) -> np.ndarray:
-        return np.zeros(count * self.engine.layout.pieces, dtype=np.uint64)
+    def _digests(self, offsets: list[int], sums: np.ndarray, tasks: list) -> None:
+        """Hash the pieces of the blocks at ``offsets`` into ``sums`` (their
+        rows, in order): on a hashing thread when there are some (the task
+        joins ``tasks``), else here."""
+        engine, layout = self.engine, self.engine.layout
+
+        def digest():
+            self.region.digest_blocks(np.array(offsets, dtype=np.int64), layout.block_bytes,
+                                      sums, engine.seed, layout.piece_bytes)
+        if self.hashers is None:
+            digest()
+        else:
+            tasks.append(self.hashers.submit(digest))
 
     def store(self, offsets, blocks) -> np.ndarray:
         engine, layout, region = self.engine, self.engine.layout, self.region
         plans = self._ranges(offsets, blocks)
-        sums = self._sums(len(plans)) if engine.checksum else None
+        pieces = layout.pieces
+        sums = np.zeros(len(plans) * pieces, dtype=np.uint64) if engine.checksum else None
+        tasks: list = []
 
         def landed(index):  # the DMA may have left its lines in this host's cache (R3)
             offset = plans[index][0]
-            if sums is None:
-                region.flush(offset, layout.block_bytes, payload=True)
-                return
-            # hashed while still cached, then written back
-            region.digest_blocks(np.array([offset], dtype=np.int64), layout.block_bytes,
-                                 sums[index * layout.pieces:(index + 1) * layout.pieces],
-                                 engine.seed, layout.piece_bytes, writeback=True)
+            region.flush(offset, layout.block_bytes, payload=True)
+            if sums is not None:
+                self._digests([offset], sums[index * pieces:(index + 1) * pieces], tasks)
 
-        self.dma.to_pool(plans, landed)
-        region.fence()
+        try:
+            self.dma.to_pool(plans, landed)
+            region.fence()
+        finally:
+            for task in tasks:
+                task.result()
         if sums is None:
             return np.zeros(len(plans), dtype=np.uint64)
         return engine.block_sums(sums)
@@ -256,10 +324,21 @@ class CudaTransfer:
         if not (engine.checksum and checksums is not None):
             self.dma.from_pool(plans)
             return np.ones(len(plans), dtype=np.bool_)
-        sums = self._sums(len(plans))
-        # the CPU hashes the ranges (fresh: dropped above) while the DMA reads them
-        self.dma.from_pool(plans, lambda: region.digest_blocks(
-            np.array([offset for offset, _ in plans], dtype=np.int64), layout.block_bytes,
-            sums, engine.seed, layout.piece_bytes))
+        sums = np.zeros(len(plans) * layout.pieces, dtype=np.uint64)
+        tasks: list = []
+
+        def hash_all():  # the ranges, fresh (dropped above), hashed while the DMA reads them
+            groups = max(1, min(len(plans), self.threads))
+            for group in np.array_split(np.arange(len(plans)), groups):
+                if len(group):
+                    self._digests([plans[i][0] for i in group.tolist()],
+                                  sums[group[0] * layout.pieces:(group[-1] + 1) * layout.pieces],
+                                  tasks)
+
+        try:
+            self.dma.from_pool(plans, hash_all)
+        finally:
+            for task in tasks:
+                task.result()
         return engine.block_sums(sums) == (np.asarray(checksums, dtype=np.uint64)
                                            & np.uint64(0xFFFFFFFF))

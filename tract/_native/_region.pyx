@@ -424,16 +424,14 @@ cdef class Region:
             free(views)
 
     def digest_blocks(self, const int64_t[::1] offsets, int64_t length, uint64_t[::1] sums,
-                      uint64_t seed=0, int64_t piece=0, bint writeback=False):
+                      uint64_t seed=0, int64_t piece=0):
         """The `digest` (``seed``) of each ``piece`` bytes (of each whole
         range when ``piece`` is 0) of the ``length``-byte ranges at
-        ``offsets``, in order, into ``sums``: bytes another agent (a DMA
-        engine) moved, which no copy of this mapping hashed.  With
-        ``writeback``, each piece's lines are written back and dropped (the
-        payload instruction, as `flush` with ``payload=True``) right after
-        they are hashed, while they are still cached; the caller fences
-        (R3).  Without, it reads the ranges as they are: the caller dropped
-        them and fenced first, where another host wrote them (R4)."""
+        ``offsets``, in order, into ``sums``, in one call without the GIL:
+        bytes another agent (a DMA engine) moved, which no copy of this
+        mapping hashed.  It reads the ranges as they are and issues no
+        cache control: where another host wrote them, the caller dropped
+        them and fenced first (R4)."""
         cdef Py_ssize_t n = offsets.shape[0], i
         cdef int64_t at, size = piece if piece > 0 else length, k = 0
         if length <= 0:
@@ -452,8 +450,6 @@ cdef class Region:
                 while at < length:
                     sums[k] = tract_digest_copy(NULL, self._base + offsets[i] + at, size, seed,
                                                 0, self._nt_kind, TRACT_INSN_NONE)
-                    if writeback:
-                        tract_lines(self._payload_insn, self._base + offsets[i] + at, size)
                     k += 1
                     at += size
 

@@ -625,11 +625,9 @@ class SimHost:
             self.copy_out(offset, target)
         self._digests(targets, sums, seed, piece)
 
-    def digest_blocks(self, offsets, length: int, sums, seed: int = 0, piece: int = 0,
-                      writeback: bool = False) -> None:
+    def digest_blocks(self, offsets, length: int, sums, seed: int = 0, piece: int = 0) -> None:
         """`Region.digest_blocks`: each piece read through this host's
-        cache and hashed, then (``writeback``) flushed with the payload
-        instruction; no fence."""
+        cache and hashed; no cache control."""
         from tract._native._region import digest
 
         size = piece or length
@@ -642,13 +640,8 @@ class SimHost:
                              f"{len(sums)}")
         for offset in offsets:
             self._check(offset, length)
-        k = 0
-        for offset in offsets:
-            for at in range(offset, offset + length, size):
-                sums[k] = digest(self.read(at, size), seed)
-                if writeback:
-                    self.flush(at, size, payload=True)
-                k += 1
+        sums[:] = [digest(self.read(at, size), seed)
+                   for offset in offsets for at in range(offset, offset + length, size)]
 
     @staticmethod
     def _blocks(offsets, buffers, sums, piece):

@@ -98,9 +98,7 @@ SUITES: dict[str, list[str]] = {
 
 REGION_TESTS = ["tests/test_region.py::test_the_trace_records_each_primitive_of_its_own_thread",
                 "tests/test_region.py::test_native_copies_trace_what_the_simulator_models",
-                "tests/test_region.py::test_block_copies_move_exactly_their_bytes",
-                "tests/test_region.py::"
-                "test_digest_blocks_hash_and_write_back_what_the_simulator_models"]
+                "tests/test_region.py::test_block_copies_move_exactly_their_bytes"]
 # native source -> (the extension a mutant rebuilds or None, its twin tests)
 NATIVE_SUITES: dict[str, tuple[str | None, list[str]]] = {
     "tract/_native/_allocfast.pyx": ("tract._native._allocfast",
