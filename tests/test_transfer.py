@@ -381,3 +381,46 @@ def test_blocks_of_many_segments_go_through_the_staging_ring(monkeypatch):
         for block, out in zip(blocks, outs):
             assert all(torch.equal(a, b) for a, b in zip(block, out))
         dma.host = dma.staging = None
+
+
+class _CopyDma(_HostDma):
+    """`CudaDma`'s copies done by this CPU on a real mapping, each block
+    reported landed once copied (hashing threads then run beside the
+    copies of the blocks after it)."""
+
+    def to_pool(self, plans, landed=None):
+        for index, (offset, flat) in enumerate(plans):
+            for segment in flat:
+                self.host.copy_in(offset, segment.numpy(), nontemporal=False)
+                offset += segment.numel()
+            if landed is not None:
+                landed(index)
+
+
+@pytest.mark.parametrize("threads", [0, 1, 3])
+def test_cuda_checksums_hashed_on_threads_match_the_cpu_path(pool_path, threads):
+    """`CudaTransfer`'s checksums, hashed by ``threads`` threads that only
+    read while the calling thread writes back: those the CPU path's copies
+    compute for the same blocks; a corrupted byte fails its block only."""
+    import torch
+
+    from tract.cuda import CudaTransfer
+
+    layout = KVLayout("threads", "uint8", num_layers=4, num_kv_heads=2, head_size=256,
+                      block_size=16)
+    Pool.create(pool_path, 32 << 20, chunk_size=1 << 20, max_nodes=2)
+    with Pool.open(pool_path, 0, manager=True) as pool:
+        engine = TransferEngine(pool, layout)
+        transfer = CudaTransfer(engine, dma=_CopyDma(pool.region), threads=threads)
+        generator = torch.Generator().manual_seed(threads)
+        blocks = [torch.randint(0, 256, (layout.block_bytes,), dtype=torch.uint8,
+                                generator=generator) for _ in range(9)]
+        offsets = [pool.alloc(layout.block_bytes) for _ in blocks]
+        sums = transfer.store(offsets, blocks)
+        assert (TransferEngine(pool, layout).store(offsets, [b.numpy() for b in blocks])
+                == sums).all()
+        where = offsets[4] + 100
+        pool.region.store_u8(where, pool.region.load_u8(where) ^ 1)
+        outs = [torch.zeros(layout.block_bytes, dtype=torch.uint8) for _ in blocks]
+        assert transfer.load(offsets, outs, sums).tolist() == [i != 4 for i in range(9)]
+        transfer.close()
