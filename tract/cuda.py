@@ -246,9 +246,9 @@ class CudaTransfer:
 
         self.engine, self.region, self.threads = engine, engine.region, threads
         self.torch = torch
+        self.dma = dma if dma is not None else CudaDma(self.region)
         self.hashers = (concurrent.futures.ThreadPoolExecutor(threads, "tract-digest")
                         if threads > 0 else None)
-        self.dma = dma if dma is not None else CudaDma(self.region)
 
     def close(self) -> None:
         self.dma.close()
