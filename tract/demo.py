@@ -49,7 +49,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from tract.bench.peers import SEGMENT_MAX, Unavailable, free_port, start_server
+from tract.bench.peers import SEGMENT_MAX, Unavailable, free_port, master_command, start_server
 from tract.errors import ConfigError
 from tract.transfer import KVLayout
 
@@ -422,11 +422,9 @@ def _mooncake_ports(stack) -> tuple[tuple[int, int] | None, str | None]:
     except ImportError as error:
         return None, f"mooncake-transfer-engine-non-cuda is not installed ({error})"
     master, metadata = free_port(), free_port()
-    command = ["mooncake_master", "--rpc_address=127.0.0.1", f"--rpc_port={master}",
-               "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
-               f"--http_metadata_server_port={metadata}"]
     try:
-        stack.enter_context(start_server(command, [master, metadata], "mooncake_master"))
+        stack.enter_context(start_server(master_command(master, metadata), [master, metadata],
+                                         "mooncake_master"))
     except Unavailable as why:
         return None, str(why)
     return (master, metadata), None

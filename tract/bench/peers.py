@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-__all__ = ["PEERS", "Peer", "Unavailable", "handoff_sampler"]
+__all__ = ["PEERS", "Peer", "Unavailable", "handoff_sampler", "master_command"]
 
 
 class Unavailable(Exception):
@@ -148,6 +148,15 @@ def redis_handoff(size: int, count: int):
 
 SEGMENT_MAX = (2 << 30) - (1 << 20)  # with a larger segment every put fails (-200, no space)
 
+def master_command(master: int, metadata: int) -> list[str]:
+    """`mooncake_master` with its RPC, HTTP metadata and metrics servers on
+    127.0.0.1 (each on a port of its own: several masters may run at once)."""
+    return ["mooncake_master", "--rpc_address=127.0.0.1", f"--rpc_port={master}",
+            "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
+            f"--http_metadata_server_port={metadata}", "--metrics_host=127.0.0.1",
+            f"--metrics_port={free_port()}"]
+
+
 def mooncake_store(master: int, metadata: int, segment: int):
     from mooncake.store import MooncakeDistributedStore
 
@@ -200,11 +209,8 @@ def mooncake_tcp_handoff(size: int, count: int):
         raise Unavailable(f"mooncake: mooncake-transfer-engine-non-cuda is not installed "
                           f"({error})") from None
     master, metadata = free_port(), free_port()
-    command = ["mooncake_master", "--rpc_address=127.0.0.1", f"--rpc_port={master}",
-               "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
-               f"--http_metadata_server_port={metadata}"]
     segment = min(max(512 << 20, 4 * size * count), SEGMENT_MAX)
-    with start_server(command, [master, metadata], "mooncake_master"):
+    with start_server(master_command(master, metadata), [master, metadata], "mooncake_master"):
         source = np.random.default_rng(5).integers(0, 256, size * count, dtype=np.uint8)
         address = source.ctypes.data
         state, mine = {}, {}  # each process's client, made after the fork
@@ -245,15 +251,12 @@ def mooncake_shm_handoff(size: int, count: int):
                           f"({error})") from None
     master, metadata, client = free_port(), free_port(), free_port()
     segment = min(max(1 << 30, 4 * size * count), SEGMENT_MAX)
-    master_command = ["mooncake_master", "--rpc_address=127.0.0.1", f"--rpc_port={master}",
-                      "--enable_http_metadata_server=true",
-                      "--http_metadata_server_host=127.0.0.1",
-                      f"--http_metadata_server_port={metadata}"]
     client_command = ["mooncake_client", "--host=127.0.0.1", f"--port={client}",
                       f"--master_server_address=127.0.0.1:{master}",
                       f"--metadata_server=http://127.0.0.1:{metadata}/metadata",
                       f"--global_segment_size={segment}", "--protocol=tcp"]
-    with start_server(master_command, [master, metadata], "mooncake_master"), \
+    with start_server(master_command(master, metadata), [master, metadata],
+                      "mooncake_master"), \
             start_server(client_command, [client], "mooncake_client"):
         def attach():
             from mooncake.store import MooncakeDistributedStore

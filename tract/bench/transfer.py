@@ -288,10 +288,19 @@ def _tcp_handoff(size: int, count: int):
             receiver.join(30)
 
 
+#: untimed seconds after a peer's round: its server's background work (freeing
+#: what the round deleted) must not land on the next measurement
+SETTLE = 0.5
+
+
 @contextlib.contextmanager
 def _peer(name: str, size: int, count: int):
     with Peer(name, size, count) as peer:
-        yield lambda round_: {name: peer.sample(round_)}
+        def step(round_: int) -> dict[str, float]:
+            seconds = peer.sample(round_)
+            time.sleep(SETTLE)
+            return {name: seconds}
+        yield step
 
 
 def _rounds(steps: dict[str, object], repeats: int, notes: list[str]) -> dict[str, list[float]]:
