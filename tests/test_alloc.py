@@ -800,3 +800,40 @@ def test_after_a_kill_fsck_reports_reclaimable_and_the_allocator_takes_it_back(p
         after = fsck(pool_path)
         assert after["ok"] and after["reclaimable"] == [], after
         assert after["chunks"]["free"] == after["chunks"]["total"]
+
+
+def _alloc_and_exit(pool_path, sender):
+    with Pool.open(pool_path, 0) as pool:
+        sender.send(pool.alloc(4096))
+        os._exit(0)  # dies holding the block, as a killed process does
+
+
+def test_a_dropped_reference_to_a_block_reclaimed_meanwhile_frees_nothing(pool_path):
+    """An eviction frees a payload after its tombstone is in memory.  A
+    block a killed process of this node held may be reclaimed in between
+    (`reclaim_dead_blocks`) and even be given out again: `free_of` then
+    frees nothing, neither a double free nor the new holder's block."""
+    _create(pool_path)
+    context = multiprocessing.get_context("fork")
+    with Pool.open(pool_path, 0, manager=True) as pool:
+        allocator = pool.allocator
+        kept = pool.alloc(4096)  # the slab stays this node's
+        receiver, sender = context.Pipe(duplex=False)
+        child = context.Process(target=_alloc_and_exit, args=(pool_path, sender))
+        child.start()
+        assert receiver.poll(60)
+        offset = receiver.recv()
+        child.join(60)
+        owner = allocator.payload_owner(offset)  # read while the reference stood
+        assert owner.pid == child.pid
+        # the reclaim gives the dead process's block back, and it is given out again
+        assert allocator.heap.release_blocks([(offset, child.pid)]) == 1
+        assert allocator.free_of(offset, owner) is False  # free already
+        assert pool.alloc(4096) == offset
+        assert allocator.free_of(offset, owner) is False  # another holder's now
+        assert allocator.heap.holder(offset) == os.getpid()
+        pool.free(offset)
+        with pytest.raises(ValueError, match="already free"):
+            pool.free(offset)  # a plain free of a free block still fails loudly
+        assert allocator.free_of(kept, allocator.payload_owner(kept)) is True
+        assert allocator.heap.holder(kept) == 0

@@ -63,7 +63,7 @@ import numpy as np
 
 from tract._kernels import bitmap
 from tract._native._allocfast import ChunkFastPath
-from tract._native._nodeheap import NOT_MINE
+from tract._native._nodeheap import NOT_HELD, NOT_MINE
 from tract._native._region import Region
 from tract.errors import CorruptionError, LockTimeout, PoolFull
 from tract.lease import ALIVE
@@ -786,8 +786,16 @@ class Allocator:
         """The owner record of the chunk that holds the allocation at
         ``offset``, read fresh: read while something still references the
         allocation, it lets `free_of` free it later only if it is still
-        that allocation."""
-        return self.owner_fresh(self.chunk_of(offset))
+        that allocation.  For a block of this node's own slab, ``pid`` is
+        the process that holds the block (0: none), so that `free_of` frees
+        it only while that process still holds it."""
+        owner = self.owner_fresh(self.chunk_of(offset))
+        if owner.kind == SLAB and self.heap is not None \
+                and (owner.node, owner.epoch) == (self.node, self.pool.epoch):
+            holder = self.heap.holder(offset)
+            if holder != NOT_MINE:
+                return owner._replace(pid=holder)
+        return owner
 
     def free_of(self, offset: int, owner: Owner, timeout: float | None = None) -> bool:
         """Free the allocation at ``offset`` if its chunk still holds what
@@ -814,6 +822,16 @@ class Allocator:
             return True
         if owner.kind not in (HEAD, SLAB):
             return False  # named a chunk no allocation held: nothing of its to free
+        if owner.kind == SLAB and self.heap is not None:
+            # this node's own slab: a killed process's block is given back by
+            # `reclaim_dead_blocks` once nothing references it, which may come
+            # first (and the block be given out again): free it only while the
+            # process that held it at `payload_owner` still does
+            if owner.pid == 0:
+                return False
+            found = self.heap.free(offset, owner.pid)
+            if found != NOT_MINE:
+                return found != NOT_HELD
         self.free(offset, timeout)
         return True
 

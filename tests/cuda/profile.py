@@ -71,10 +71,10 @@ def profile(pool, size: int, count: int) -> None:
         "dma.to_pool": lambda: dma.to_pool(plans),
         **({"raw cudaMemcpyAsync d2h": raw_d2h} if _has_cupy() else {}),
         "flush+fence": flush,
-        "digest_blocks+writeback": lambda: region.digest_blocks(
+        "digest_blocks (1 thread)": lambda: region.digest_blocks(
             np.array(offsets, dtype=np.int64), size, np.zeros(count * engine.layout.pieces,
                                                                np.uint64),
-            engine.seed, engine.layout.piece_bytes, writeback=True),
+            engine.seed, engine.layout.piece_bytes),
         "CudaTransfer.store": lambda: cuda.store(offsets, blocks),
         "bound h2d (pinned copy_)": lambda: [b.copy_(p, non_blocking=True) for p, b in zip(pinned, outs)],
         "invalidate+fence": invalidate,

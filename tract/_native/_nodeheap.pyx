@@ -308,6 +308,31 @@ cdef class NodeHeap:
         finally:
             self._unlock()
 
+    def holder(self, int64_t offset):
+        """The pid of the process that holds the block at pool ``offset``
+        (0: the block is free), or NOT_MINE when no slab of this node holds
+        it; raises ValueError for an offset inside a block."""
+        cdef char *base = self._base()
+        cdef int64_t relative = offset - self.heap_base
+        if relative < 0 or relative >= <int64_t>self.nchunks * self.chunk_size:
+            return NOT_MINE
+        cdef uint32_t chunk = <uint32_t>(relative // self.chunk_size)
+        cdef int64_t within = relative % self.chunk_size
+        cdef uint32_t *record
+        cdef uint32_t cls
+        self._lock(base)
+        try:
+            record = self._record(base, chunk)
+            if record[0] == 0:
+                return NOT_MINE
+            cls = record[0] - 1
+            if within % (self.min_block << cls):
+                raise ValueError(f"offset {offset} is inside a {self.min_block << cls}-byte "
+                                 f"block of chunk {chunk}, not at its start")
+            return record[4 + within // (self.min_block << cls)]
+        finally:
+            self._unlock()
+
     def drop_slab(self, uint32_t chunk):
         """Forget ``chunk`` if it is an empty slab (its chunk goes back to the
         global bitmap); False when a block was taken meanwhile."""
