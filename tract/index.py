@@ -527,10 +527,11 @@ class Index:
 
     def _reserve_slots(self, keys: np.ndarray):
         """Under the lock: (codes, slots, slot lines, home lines) of each
-        key (FREE: the slot to take; EXISTS: present).  Each key's window grows (2, 8,
-        32... lines) until it decides, reading only the lines not read yet
-        (nobody else writes under the lock); the kernel sees each key's
-        window up to its width."""
+        key (FREE: the slot to take; EXISTS: present).  Each key's window grows
+        until it decides, reading only the lines not read yet (nobody else
+        writes under the lock): 2 lines, then up to its home's reach, then
+        twice as wide (`probe.next_widths`); the kernel sees each key's window
+        up to its width."""
         count = keys.shape[0]
         live = self._live_epochs()
         codes = np.empty(count, np.int64)
@@ -546,18 +547,18 @@ class Index:
             return codes, slots, targets, homes
         start = (keys[:, 0] & np.uint64(self.mask)).astype(np.int64)
         widths = np.zeros(count, dtype=np.int64)
+        wants = np.full(count, min(2, self.capacity), dtype=np.int64)
         lines = np.empty((count, min(self.capacity, 32), 8), dtype=np.uint64)
         where = np.empty(count, np.int64)
-        pending, grown = np.arange(count), 2
+        pending, widest = np.arange(count), min(2, self.capacity)
         while True:
-            grown = min(grown, self.capacity)
-            if grown > lines.shape[1]:
-                wider = np.empty((count, grown, 8), dtype=np.uint64)
+            if widest > lines.shape[1]:
+                wider = np.empty((count, widest, 8), dtype=np.uint64)
                 wider[:, :lines.shape[1]] = lines
                 lines = wider
-            room = pending.size * grown
+            room = int((wants[pending] - widths[pending]).sum())
             offsets, rows, positions = (np.empty(room, np.int64) for _ in range(3))
-            new = probe.grow_windows(pending, widths, grown, start, self.mask, self.base,
+            new = probe.grow_windows(pending, widths, wants, start, self.mask, self.base,
                                      offsets, rows, positions)
             probe.place(lines, self._read(offsets[:new]), rows, positions, new)
             probe.probe_reserve(keys, lines, start, self.mask, widths, live, codes, where)
@@ -567,7 +568,8 @@ class Index:
             if (widths[pending] >= self.capacity).all():
                 raise _IndexFull(f"prefix index of {self.capacity} entries is full: no free "
                                  f"slot for {pending.size} of {count} keys", pending.size)
-            grown *= 4
+            widest = probe.next_widths(lines, widths, pending, pending.size, self.capacity,
+                                       wants)
         return codes, (start + where) & self.mask, lines[np.arange(count), where], lines[:, 0]
 
     def publish(self, reserved: Reservations, checksums=None,

@@ -18,7 +18,8 @@ import numpy as np
 
 from tract._kernels.cachectl import add_u32, fence, halves, lines, words
 from tract._kernels.config import kernel
-from tract._kernels.probe import CONTINUE, HIT, MISS, collect, probe_reserve, validate
+from tract._kernels.probe import (CONTINUE, HIT, MISS, collect, next_widths, probe_reserve,
+                                  validate)
 
 __all__ = ["lookup", "pin", "reserve_slots"]
 
@@ -120,32 +121,33 @@ def pin(address, base, mask, capacity, pins, read_insn, flush_insn, keys, stamp,
 
 @kernel
 def reserve_slots(address, base, mask, capacity, insn, keys, live, codes, slots, targets, homes):
-    """`Index._reserve_slots`, under the index lock: windows grow 2, 8,
-    32... lines, each round reading only the lines not read yet.  Returns
-    0, or how many keys found no free slot in the whole table."""
+    """`Index._reserve_slots`, under the index lock: each key's window
+    grows 2 lines, then up to its home's reach, then twice as wide
+    (`next_widths`), each round reading only the lines not read yet.
+    Returns 0, or how many keys found no free slot in the whole table."""
     count = keys.shape[0]
     start = np.empty(count, np.int64)
     for k in range(count):
         start[k] = np.int64(keys[k, 0] & U64(mask))
     widths = np.zeros(count, np.int64)
+    wants = np.full(count, min(2, capacity), np.int64)
     where = np.empty(count, np.int64)
     table = np.empty((count, min(capacity, 32), 8), np.uint64)
     pending = np.arange(count)
-    left, grown = count, 2
+    left, widest = count, min(2, capacity)
     while True:
-        grown = min(grown, capacity)
-        if grown > table.shape[1]:
-            wider = np.empty((count, grown, 8), np.uint64)
+        if widest > table.shape[1]:
+            wider = np.empty((count, widest, 8), np.uint64)
             wider[:, :table.shape[1]] = table
             table = wider
         new = 0
         for i in range(left):
-            new += grown - widths[pending[i]]
+            new += wants[pending[i]] - widths[pending[i]]
         window = np.empty(new, np.int64)
         n = 0
         for i in range(left):
             k = pending[i]
-            for w in range(widths[k], grown):
+            for w in range(widths[k], wants[k]):
                 window[n] = start[k] + w
                 n += 1
         fresh = np.empty((new, 8), np.uint64)
@@ -153,10 +155,10 @@ def reserve_slots(address, base, mask, capacity, insn, keys, live, codes, slots,
         n = 0
         for i in range(left):
             k = pending[i]
-            for w in range(widths[k], grown):
+            for w in range(widths[k], wants[k]):
                 table[k, w] = fresh[n]
                 n += 1
-            widths[k] = grown
+            widths[k] = max(widths[k], wants[k])
         probe_reserve(keys, table, start, mask, widths, live, codes, where)
         left = 0
         for k in range(count):
@@ -171,10 +173,9 @@ def reserve_slots(address, base, mask, capacity, insn, keys, live, codes, slots,
                 full = False
         if full:
             return left
-        grown *= 4
+        widest = next_widths(table, widths, pending, left, capacity, wants)
     for k in range(count):
         slots[k] = (start[k] + where[k]) & mask
         targets[k] = table[k, where[k]]
         homes[k] = table[k, 0]
     return 0
-

@@ -34,9 +34,9 @@ from tract.lines import CHECK_ADD, CHECK_PRIME
 
 __all__ = ["BUSY", "CONTINUE", "EMPTY", "EVICTING", "EXISTS", "FREE", "HIT", "MISS", "READY",
            "REACH_BITS", "TOKENS_MAX", "TOMBSTONE", "UNKNOWN", "WRITING", "collect", "empty",
-           "entry_check", "finished", "grow_windows", "place", "probe_lookup", "probe_reserve",
-           "raise_reaches", "reach", "reaches", "reserved_entries", "seal", "validate", "whole",
-           "with_reaches"]
+           "entry_check", "finished", "grow_windows", "next_widths", "place", "probe_lookup",
+           "probe_reserve", "raise_reaches", "reach", "reaches", "reserved_entries", "seal",
+           "validate", "whole", "with_reaches"]
 
 EMPTY, WRITING, READY, EVICTING, TOMBSTONE = 0, 1, 2, 3, 4
 # lookup outcomes
@@ -185,19 +185,39 @@ def validate(first, lines, ok):
 
 
 @kernel
-def grow_windows(pending, widths, grown, start, mask, base, offsets, rows, positions):
-    """The lines each pending key has not read yet, up to ``grown``: their
-    entry offsets (``base`` + slot * 64), key rows and window positions;
-    returns how many (and sets the keys' widths to ``grown``)."""
+def grow_windows(pending, widths, targets, start, mask, base, offsets, rows, positions):
+    """The lines each pending key has not read yet, up to its ``targets``
+    width: their entry offsets (``base`` + slot * 64), key rows and window
+    positions; returns how many (and sets the keys' widths to their
+    targets)."""
     n = 0
     for k in pending:
-        for w in range(widths[k], grown):
+        for w in range(widths[k], targets[k]):
             offsets[n] = base + ((start[k] + w) & mask) * 64
             rows[n] = k
             positions[n] = w
             n += 1
-        widths[k] = max(widths[k], grown)
+        widths[k] = max(widths[k], targets[k])
     return n
+
+
+@kernel
+def next_widths(lines, widths, pending, count, capacity, targets):
+    """The next window of each of the first ``count`` ``pending`` keys of a
+    reserve: up to its home's reach (its home line, ``lines[k, 0]``, was
+    read first), which decides once a reusable slot lies within it; past
+    that (or with the reach UNKNOWN) twice as wide; at most
+    ``capacity``.  Returns the widest."""
+    widest = 0
+    for i in range(count):
+        k = pending[i]
+        home_reach = _reach(lines[k, 0])
+        want = widths[k] * 2
+        if home_reach != UNKNOWN and home_reach + 1 > widths[k]:
+            want = home_reach + 1
+        targets[k] = min(want, capacity)
+        widest = max(widest, targets[k])
+    return widest
 
 
 @kernel
