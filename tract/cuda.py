@@ -298,12 +298,20 @@ class CudaTransfer:
         pieces = layout.pieces
         sums = np.zeros(len(plans) * pieces, dtype=np.uint64) if engine.checksum else None
         tasks: list = []
+        # blocks hashed a group a task, each group once its last block landed: a
+        # task a block costs more to hand over than to hash at 1 MiB and below
+        group, landed_blocks = -(-len(plans) // max(1, self.threads)), []
 
         def landed(index):  # the DMA may have left its lines in this host's cache (R3)
             offset = plans[index][0]
             region.flush(offset, layout.block_bytes, payload=True)
             if sums is not None:
-                self._digests([offset], sums[index * pieces:(index + 1) * pieces], tasks)
+                landed_blocks.append(offset)
+                if len(landed_blocks) == group or index == len(plans) - 1:
+                    first = index + 1 - len(landed_blocks)
+                    self._digests(landed_blocks[:], sums[first * pieces:(index + 1) * pieces],
+                                  tasks)
+                    landed_blocks.clear()
 
         try:
             self.dma.to_pool(plans, landed)

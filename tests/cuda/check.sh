@@ -2,8 +2,9 @@
 # The CUDA checks, for a machine whose python3 holds a CUDA build of torch
 # (CI has none: there every CUDA test skips).  Builds the extensions in
 # place with that python, then runs the CUDA tests and the transfer suite,
-# then `tract bench transfer --device cuda` and tests/cuda/profile.py (where
-# the CUDA path's time goes, stage by stage).  Logs go to $OUT (default
+# then `tract bench transfer --device cuda`, tests/cuda/profile.py (where
+# the CUDA path's time goes, stage by stage) and tests/cuda/digest_threads.py
+# (the checksums' hashing by thread count).  Logs go to $OUT (default
 # out/cuda).  Usage: bash tests/cuda/check.sh [extra pytest args]
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -29,4 +30,5 @@ timeout "${PYTEST_TIMEOUT:-300}" "$PY" -m pytest -q -ra -p no:cacheprovider --du
 timeout "${BENCH_TIMEOUT:-300}" "$PY" -m tract.cli bench transfer --device cuda \
     2>&1 | tee "$OUT/bench.txt" || status=1
 timeout "${BENCH_TIMEOUT:-300}" "$PY" tests/cuda/profile.py 2>&1 | tee "$OUT/profile.txt" || status=1
+timeout "${BENCH_TIMEOUT:-300}" "$PY" tests/cuda/digest_threads.py 2>&1 | tee "$OUT/threads.txt" || status=1
 exit $status
