@@ -168,6 +168,40 @@ def test_reserve_slots_match_the_python_steps(indexes):
     assert outcomes["full"] and outcomes["decided"] > 100, outcomes
 
 
+def test_reserve_entries_match_the_python_steps(indexes):
+    """After `_reserve_slots` (the same codes, slots and lines for both):
+    the entries written, the homes raised first, their fence, and the
+    entries returned."""
+    pool, fast, reference = indexes
+    rng = random.Random(9)
+    reference._live = fast._live = (float("inf"), reference._live_epochs())
+    written = raised = 0
+    for trial in range(200):
+        keys = _keys(rng, rng.randint(1, 20), fast.mask)
+        _random_table(rng, fast, keys.tolist(), 3)
+        count = keys.shape[0]
+        payloads = np.array([rng.getrandbits(40) for _ in range(count)], dtype=np.uint64)
+        sizes = np.array([rng.randint(1, 1 << 20) for _ in range(count)], dtype=np.int64)
+        tokens = np.array([rng.randint(0, probe.TOKENS_MAX) for _ in range(count)],
+                          dtype=np.int64)
+        with pool.lock("index")(10):
+            try:
+                decided = reference._reserve_slots(keys)
+            except _IndexFull:
+                continue
+            before = _table(fast)
+            rows, _ = _held_to("tract._kernels.indexfast.reserve_entries", reference, fast,
+                               lambda index: index._reserve_entries(keys, *decided, payloads,
+                                                                    sizes, tokens), trial)
+        assert rows.tolist() == np.flatnonzero(decided[0] == probe.FREE).tolist()
+        written += rows.size
+        after = _table(fast)
+        raised += int(sum((before[slot] != after[slot]).any()
+                          for slot in range(fast.capacity)
+                          if slot not in set(decided[1][rows].tolist())))
+    assert written > 300 and raised > 10, (written, raised)
+
+
 def _found(index, keys):
     keys = np.array(sorted(keys), dtype=np.uint64).reshape(-1, 2)
     codes, _, _ = index._probe(keys, leading=False)

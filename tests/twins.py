@@ -51,6 +51,7 @@ TWINS: dict[str, Twin] = {twin.fast: twin for twin in (
          ("at a full pin word it stops: the pins after it are never taken, so never taken "
           "back",)),
     Twin("tract._kernels.indexfast.reserve_slots", "tract.index.Index._reserve_slots"),
+    Twin("tract._kernels.indexfast.reserve_entries", "tract.index.Index._reserve_entries"),
     Twin("tract._native._allocfast.ChunkFastPath.alloc",
          "tract.alloc.Allocator._find + tract.lock.Lock.check + tract.alloc.Allocator._publish",
          ("the grant line is dropped with the first lines read and read after their fence, "

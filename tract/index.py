@@ -496,21 +496,38 @@ class Index:
         with self.pool.lock("index")(timeout) as lock:
             codes, slots, targets, homes = self._reserve_slots(keys)
             lock.check()  # fencing: still ours before anything is published (R6)
-            count = keys.shape[0]
-            rows, reaches = np.empty(count, np.int64), np.empty(count, np.int64)
-            written = np.empty((count, 8), dtype=np.uint64)
-            taken = probe.reserved_entries(
-                keys, codes, targets, payloads, sizes, tokens,
-                np.uint64(WRITING | (self.pool.node + 1) << 8),
-                np.uint64(self.pool.epoch & 0xFFFFFFFF), rows, written, reaches)
-            rows, written, reaches = rows[:taken], written[:taken], reaches[:taken]
-            # reaches: the slots' own, carried over (raised here where a home is among them)
-            self._raise_reaches(keys[rows], slots[rows], homes[rows], reaches)
-            probe.with_reaches(written, reaches)
-            self._write(slots[rows], written)
-        entries = np.zeros((count, 8), dtype=np.uint64)
+            rows, written = self._reserve_entries(keys, codes, slots, targets, homes, payloads,
+                                                  sizes, tokens)
+        entries = np.zeros((keys.shape[0], 8), dtype=np.uint64)
         entries[rows] = written
         return Reservations(codes == FREE, slots, entries)
+
+    def _reserve_entries(self, keys, codes, slots, targets, homes, payloads, sizes, tokens):
+        """Under the lock, its grant checked: the WRITING entries of the
+        keys whose code is FREE, written back (the caller fences), each
+        with its slot's reach carried over and raised where its home is
+        among the slots; homes elsewhere whose reach falls short are raised
+        first (`_raise_reaches`).  Returns (rows, written): which keys, and
+        their entries."""
+        count = keys.shape[0]
+        rows, written = np.empty(count, np.int64), np.empty((count, 8), dtype=np.uint64)
+        word3 = np.uint64(WRITING | (self.pool.node + 1) << 8)
+        epoch = np.uint64(self.pool.epoch & 0xFFFFFFFF)
+        if self._fast:
+            taken = indexfast.reserve_entries(self.region.base, self.base, self.mask,
+                                              self._flush_insn, keys, codes, slots, targets,
+                                              homes, payloads, sizes, tokens, word3, epoch,
+                                              rows, written)
+            return rows[:taken], written[:taken]
+        reaches = np.empty(count, np.int64)
+        taken = probe.reserved_entries(keys, codes, targets, payloads, sizes, tokens, word3,
+                                       epoch, rows, written, reaches)
+        rows, written, reaches = rows[:taken], written[:taken], reaches[:taken]
+        # reaches: the slots' own, carried over (raised here where a home is among them)
+        self._raise_reaches(keys[rows], slots[rows], homes[rows], reaches)
+        probe.with_reaches(written, reaches)
+        self._write(slots[rows], written)
+        return rows, written
 
     def _raise_reaches(self, keys, slots, homes, reaches) -> None:
         """Before entries are written at ``slots``, each key's home slot

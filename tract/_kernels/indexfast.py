@@ -19,9 +19,9 @@ import numpy as np
 from tract._kernels.cachectl import add_u32, fence, halves, lines, words
 from tract._kernels.config import kernel
 from tract._kernels.probe import (CONTINUE, HIT, MISS, collect, next_widths, probe_reserve,
-                                  validate)
+                                  raise_reaches, reserved_entries, seal, validate, with_reaches)
 
-__all__ = ["lookup", "pin", "reserve_slots"]
+__all__ = ["lookup", "pin", "reserve_entries", "reserve_slots"]
 
 U64 = np.uint64
 ENTRY = 64
@@ -179,3 +179,46 @@ def reserve_slots(address, base, mask, capacity, insn, keys, live, codes, slots,
         targets[k] = table[k, where[k]]
         homes[k] = table[k, 0]
     return 0
+
+
+@kernel(inline="always")
+def _write(address, base, mask, insn, slots, entries):
+    """`Index._write`: seal ``entries``, store each at its slot and write it
+    back (the caller fences: R3)."""
+    seal(entries)
+    for i in range(slots.size):
+        line = words(address + base + (slots[i] & mask) * ENTRY, 8)
+        for j in range(8):
+            line[j] = entries[i, j]
+    for i in range(slots.size):
+        lines(insn, address + base + (slots[i] & mask) * ENTRY, ENTRY)
+
+
+@kernel
+def reserve_entries(address, base, mask, insn, keys, codes, slots, targets, homes, payloads,
+                    sizes, tokens, word3, epoch, rows, written):
+    """`Index._reserve_entries`, under the index lock once its grant is
+    checked: the WRITING entries of the keys whose code is FREE built
+    (``rows``: which key; ``written``: their lines, sealed), the homes whose
+    reach falls short raised, written back and fenced first, then the
+    entries written back (the caller fences).  Returns how many."""
+    count = keys.shape[0]
+    reaches = np.empty(count, np.int64)
+    taken = reserved_entries(keys, codes, targets, payloads, sizes, tokens, word3, epoch, rows,
+                             written, reaches)
+    mine = np.empty((taken, 2), np.uint64)
+    at = np.empty(taken, np.int64)
+    home_lines = np.empty((taken, 8), np.uint64)
+    for i in range(taken):
+        mine[i] = keys[rows[i]]
+        at[i] = slots[rows[i]]
+        home_lines[i] = homes[rows[i]]
+    raised_slots = np.empty(taken, np.int64)
+    raised = np.empty((taken, 8), np.uint64)
+    n = raise_reaches(mine, at, home_lines, mask, reaches[:taken], raised_slots, raised)
+    if n:
+        _write(address, base, mask, insn, raised_slots[:n], raised[:n])
+        fence()
+    with_reaches(written[:taken], reaches[:taken])
+    _write(address, base, mask, insn, at, written[:taken])
+    return taken
