@@ -271,6 +271,25 @@ cdef class NodeHeap:
         finally:
             self._unlock()
 
+    cdef uint32_t *_slab_of(self, char *base, int64_t offset, int64_t *block) except? NULL:
+        """Under the mutex: the record of this node's slab that holds pool
+        ``offset`` (``block[0]``: the block's index in it), or NULL when no
+        slab of this node does.  Raises ValueError for an offset inside a
+        block."""
+        cdef int64_t relative = offset - self.heap_base
+        if relative < 0 or relative >= <int64_t>self.nchunks * self.chunk_size:
+            return NULL
+        cdef uint32_t chunk = <uint32_t>(relative // self.chunk_size)
+        cdef uint32_t *record = self._record(base, chunk)
+        if record[0] == 0:
+            return NULL
+        cdef int64_t size = self.min_block << (record[0] - 1)
+        if relative % self.chunk_size % size:
+            raise ValueError(f"offset {offset} is inside a {size}-byte block of chunk {chunk}, "
+                             f"not at its start")
+        block[0] = relative % self.chunk_size // size
+        return record
+
     def free(self, int64_t offset, uint32_t holder=0):
         """Free the block at pool ``offset``: its slab's remaining used
         blocks (0: the slab is empty), or NOT_MINE when no slab of this node
@@ -279,23 +298,13 @@ cdef class NodeHeap:
         process holds the block, else NOT_HELD (freed or given out again
         meanwhile)."""
         cdef char *base = self._base()
-        cdef int64_t relative = offset - self.heap_base
-        if relative < 0 or relative >= <int64_t>self.nchunks * self.chunk_size:
-            return NOT_MINE
-        cdef uint32_t chunk = <uint32_t>(relative // self.chunk_size)
-        cdef int64_t within = relative % self.chunk_size
+        cdef int64_t block
         cdef uint32_t *record
-        cdef uint32_t cls, block
         self._lock(base)
         try:
-            record = self._record(base, chunk)
-            if record[0] == 0:
+            record = self._slab_of(base, offset, &block)
+            if record == NULL:
                 return NOT_MINE
-            cls = record[0] - 1
-            if within % (self.min_block << cls):
-                raise ValueError(f"offset {offset} is inside a {self.min_block << cls}-byte "
-                                 f"block of chunk {chunk}, not at its start")
-            block = <uint32_t>(within // (self.min_block << cls))
             if holder and record[4 + block] != holder:
                 return NOT_HELD
             if record[4 + block] == 0:
@@ -303,8 +312,8 @@ cdef class NodeHeap:
             record[4 + block] = 0
             record[1] += 1
             if record[1] == 1:
-                self._link(base, chunk)
-            return self._blocks(cls) - record[1]
+                self._link(base, <uint32_t>((offset - self.heap_base) // self.chunk_size))
+            return self._blocks(record[0] - 1) - record[1]
         finally:
             self._unlock()
 
@@ -313,23 +322,12 @@ cdef class NodeHeap:
         (0: the block is free), or NOT_MINE when no slab of this node holds
         it; raises ValueError for an offset inside a block."""
         cdef char *base = self._base()
-        cdef int64_t relative = offset - self.heap_base
-        if relative < 0 or relative >= <int64_t>self.nchunks * self.chunk_size:
-            return NOT_MINE
-        cdef uint32_t chunk = <uint32_t>(relative // self.chunk_size)
-        cdef int64_t within = relative % self.chunk_size
+        cdef int64_t block
         cdef uint32_t *record
-        cdef uint32_t cls
         self._lock(base)
         try:
-            record = self._record(base, chunk)
-            if record[0] == 0:
-                return NOT_MINE
-            cls = record[0] - 1
-            if within % (self.min_block << cls):
-                raise ValueError(f"offset {offset} is inside a {self.min_block << cls}-byte "
-                                 f"block of chunk {chunk}, not at its start")
-            return record[4 + within // (self.min_block << cls)]
+            record = self._slab_of(base, offset, &block)
+            return NOT_MINE if record == NULL else record[4 + block]
         finally:
             self._unlock()
 
