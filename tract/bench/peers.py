@@ -148,6 +148,7 @@ def redis_handoff(size: int, count: int):
 
 SEGMENT_MAX = (2 << 30) - (1 << 20)  # with a larger segment every put fails (-200, no space)
 
+
 def master_command(master: int, metadata: int) -> list[str]:
     """`mooncake_master` with its RPC, HTTP metadata and metrics servers on
     127.0.0.1 (each on a port of its own: several masters may run at once)."""
