@@ -202,6 +202,77 @@ def test_reserve_entries_match_the_python_steps(indexes):
     assert written > 300 and raised > 10, (written, raised)
 
 
+def test_finish_and_write_match_the_python_steps(indexes):
+    """A publish's or abort's read under the lock (`Index._finished`: the
+    entries still as reserved, moved on) and the write of what it moved
+    on (`Index._write`), from entries as reserved, reach-raised (still
+    ours), torn or rewritten meanwhile (not ours)."""
+    pool, fast, reference = indexes
+    rng = random.Random(13)
+    moved = kept = 0
+    for trial in range(200):
+        keys = _keys(rng, 8, fast.mask)
+        _random_table(rng, fast, keys.tolist(), 3)
+        count = rng.randint(1, 12)
+        slots = np.array(rng.sample(range(fast.capacity), count), dtype=np.int64)
+        expected = _table(fast)[slots]
+        for row in range(count):
+            change = rng.random()
+            if change < 0.3:  # rewritten meanwhile (or torn): not ours
+                expected[row, rng.randrange(8)] ^= np.uint64(1 << rng.randrange(64))
+            elif change < 0.5:  # its reach raised by another key's reserve: still ours
+                expected[row, 3] ^= np.uint64(rng.randrange(1, 64) << 8 * 3)
+        state = rng.choice([probe.READY, probe.TOMBSTONE])
+        sums = np.array([rng.getrandbits(32) for _ in range(count)], dtype=np.uint64)
+
+        def finish(index):
+            ours = np.empty(count, dtype=np.bool_)
+            done = np.empty((count, 8), dtype=np.uint64)
+            taken = index._finished(slots, expected, state, sums, ours, done)
+            return taken, ours, done[:taken]
+
+        with pool.lock("index")(10):
+            taken, ours, done = _held_to("tract._kernels.indexfast.finish_entries", reference,
+                                         fast, finish, trial)
+            _held_to("tract._kernels.indexfast.write", reference, fast,
+                     lambda index: index._write(slots[ours], done.copy()), trial)
+        assert (_table(fast)[slots[ours], :7] == done[:, :7]).all()  # sealed as written
+        moved, kept = moved + taken, kept + count - taken
+    assert moved > 300 and kept > 200, (moved, kept)
+
+
+def test_stamp_and_unpin_match_the_python_steps(indexes):
+    """A publish's access stamps and an unpin, from random pin words: some
+    slots repeat, and an unpin of a word at 0 is refused by slot."""
+    pool, fast, reference = indexes
+    rng = random.Random(14)
+    pins = fast._own_pins()
+    refused = 0
+    for trial in range(200):
+        words = np.array([rng.choice([0, 1, 2, 7]) | rng.getrandbits(32) << 32
+                          for _ in range(fast.capacity)], dtype=np.uint64)
+        pool.region.copy_in(pins, words.tobytes(), nontemporal=False)
+        slots = np.array([rng.randrange(fast.capacity) for _ in range(rng.randint(1, 12))],
+                         dtype=np.int64)
+        now = rng.getrandbits(32)
+        _held_to("tract._kernels.indexfast.stamp", reference, fast,
+                 lambda index: index._stamp_words(slots, now), trial)
+        result = _held_to("tract._kernels.indexfast.unpin", reference, fast,
+                          lambda index: index.unpin(Hits(slots, np.zeros((slots.size, 8),
+                                                                         np.uint64))), trial)
+        counts, first = (words & np.uint64(0xFFFFFFFF)).tolist(), None
+        for slot in slots.tolist():
+            if counts[slot] == 0 and first is None:
+                first = slot
+            counts[slot] = max(0, counts[slot] - 1)
+        assert result == (None if first is None else
+                          (ValueError, f"unpin of index slot {first} that node 0 had not "
+                                       f"pinned")), (trial, result)
+        assert _pin_counts(fast).tolist() == counts
+        refused += first is not None
+    assert 20 < refused < 190, refused
+
+
 def _found(index, keys):
     keys = np.array(sorted(keys), dtype=np.uint64).reshape(-1, 2)
     codes, _, _ = index._probe(keys, leading=False)

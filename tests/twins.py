@@ -52,6 +52,11 @@ TWINS: dict[str, Twin] = {twin.fast: twin for twin in (
           "back",)),
     Twin("tract._kernels.indexfast.reserve_slots", "tract.index.Index._reserve_slots"),
     Twin("tract._kernels.indexfast.reserve_entries", "tract.index.Index._reserve_entries"),
+    Twin("tract._kernels.indexfast.finish_entries", "tract.index.Index._finished"),
+    Twin("tract._kernels.indexfast.write", "tract.index.Index._write"),
+    Twin("tract._kernels.indexfast.stamp", "tract.index.Index._stamp_words"),
+    Twin("tract._kernels.indexfast.unpin",
+         "tract.index.Index._pin_words + tract.index.Index._unpin_words"),
     Twin("tract._native._allocfast.ChunkFastPath.alloc",
          "tract.alloc.Allocator._find + tract.lock.Lock.check + tract.alloc.Allocator._publish",
          ("the grant line is dropped with the first lines read and read after their fence, "

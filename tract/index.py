@@ -237,6 +237,10 @@ class Index:
         self.region.flush(pins, self.node_bytes)
         self.region.fence()
 
+    def _own_pins(self) -> int:
+        """Where this node's pin words begin."""
+        return self.node_base + self.pool.node * self.node_bytes
+
     def _pin_words(self, slots: np.ndarray, node: int | None = None) -> np.ndarray:
         node = self.pool.node if node is None else node
         return self.node_base + node * self.node_bytes + slots.astype(np.int64) * 8
@@ -281,6 +285,10 @@ class Index:
 
     def _write(self, slots: np.ndarray, entries: np.ndarray) -> None:
         """Sealed entries to their slots, flushed (the caller fences: R3)."""
+        if self._fast:
+            indexfast.write(self.region.base, self.base, self.mask, self._flush_insn, slots,
+                            entries)
+            return
         probe.seal(entries)
         offsets = self._entries(slots)
         self.region.scatter_lines(offsets, entries.view(np.uint8))
@@ -335,9 +343,8 @@ class Index:
             slots = np.empty(keys.shape[0], dtype=np.int64)
             entries = np.empty((keys.shape[0], 8), dtype=np.uint64)
             valid = indexfast.pin(self.region.base, self.base, self.mask, self.capacity,
-                                  self.node_base + self.pool.node * self.node_bytes,
-                                  self._read_insn,
-                                  self._flush_insn, keys, self.stamp(), slots, entries)
+                                  self._own_pins(), self._read_insn, self._flush_insn, keys,
+                                  self.stamp(), slots, entries)
             if valid < 0:
                 self._full(self._pin_words(slots[-1 - valid:-valid]))
             slots, entries = slots[:valid], entries[:valid]
@@ -393,17 +400,37 @@ class Index:
         """Take back the pins of `pin` (all of them, or some `Hit` of them)."""
         slots = hits.slots if isinstance(hits, Hits) else \
             np.array([hit.slot for hit in hits], dtype=np.int64)
-        if slots.size:
-            self._unpin_words(self._pin_words(slots))
+        if not slots.size:
+            return
+        if self._fast:
+            first = indexfast.unpin(self.region.base, self._own_pins(), self.mask,
+                                    self._flush_insn, slots)
+        else:
+            first = self._unpin_words(self._pin_words(slots))
+        if first >= 0:
+            raise ValueError(f"unpin of index slot {int(slots[first])} that node "
+                             f"{self.pool.node} had not pinned")
 
-    def _unpin_words(self, words: np.ndarray) -> None:
+    def _unpin_words(self, words: np.ndarray) -> int:
+        """One off each pin word, written back; the first row whose word was
+        not pinned (it stays at 0), or -1."""
         found = self.region.local_add_u32s(words, -1)
         # no fence: the write-backs land on their own, and an unpin seen late
         # only delays an eviction
         self.region.flush_lines(words & ~(LINE - 1))
-        if (found == 0).any():
-            raise ValueError(f"unpin of index slot {int((words[found == 0][0] - words[0]) // 8)}"
-                             f" that node {self.pool.node} had not pinned")
+        unpinned = np.flatnonzero(found == 0)
+        return int(unpinned[0]) if unpinned.size else -1
+
+    def _stamp_words(self, slots: np.ndarray, now: int) -> None:
+        """This node's access stamps of ``slots`` set to ``now``, written
+        back (the caller fences)."""
+        if self._fast:
+            indexfast.stamp(self.region.base, self._own_pins(), self.mask, self._flush_insn,
+                            slots, now)
+            return
+        words = self._pin_words(slots)
+        self.region.store_u32s(words + 4, now)
+        self.region.flush_lines(words & ~(LINE - 1))
 
     # ------------------------------------------------------------ writes
 
@@ -602,9 +629,7 @@ class Index:
         sums = np.zeros(taken.size, dtype=np.uint64) if checksums is None else \
             np.asarray(checksums, dtype=np.uint64)[taken] & np.uint64(0xFFFFFFFF)
         # a fresh block counts as just used (this node's stamp words)
-        words = self._pin_words(reserved.slots[taken])
-        self.region.store_u32s(words + 4, self.stamp())
-        self.region.flush_lines(words & ~(LINE - 1))
+        self._stamp_words(reserved.slots[taken], self.stamp())
         ours = self._finish(reserved, taken, READY, sums, timeout)
         if not ours.all():
             for offset in reserved.offsets[taken[~ours]].tolist():
@@ -631,13 +656,23 @@ class Index:
         done = np.empty((taken.size, 8), dtype=np.uint64)
         # the lock's acquire fences: the caller's payload flushes complete first (R3)
         with self.pool.lock("index")(timeout) as lock:
-            entries = self._read(self._entries(slots))
-            # as reserved, but for the slot's reach (other keys' reserves raise it)
-            count = probe.finished(entries, expected, state, sums, ours, done)
+            count = self._finished(slots, expected, state, sums, ours, done)
             lock.check()
             faults.point("publish.locked")
             self._write(slots[ours], done[:count])
         return ours
+
+    def _finished(self, slots, expected, state, checksums, ours, done) -> int:
+        """Under the lock: the entries of ``slots`` read fresh (R4); those
+        still as reserved (``expected``, but for the slot's reach, which
+        other keys' reserves raise) are ``ours``, moved on to ``state`` in
+        ``done`` (`probe.finished`).  Returns how many."""
+        if self._fast:
+            return indexfast.finish_entries(self.region.base, self.base, self.mask,
+                                            self._read_insn, slots, expected, state, checksums,
+                                            ours, done)
+        entries = self._read(self._entries(slots))
+        return probe.finished(entries, expected, state, checksums, ours, done)
 
     # ---------------------------------------------------------- eviction
 

@@ -18,10 +18,12 @@ import numpy as np
 
 from tract._kernels.cachectl import add_u32, fence, halves, lines, words
 from tract._kernels.config import kernel
-from tract._kernels.probe import (CONTINUE, HIT, MISS, collect, next_widths, probe_reserve,
-                                  raise_reaches, reserved_entries, seal, validate, with_reaches)
+from tract._kernels.probe import (CONTINUE, HIT, MISS, collect, finished, next_widths,
+                                  probe_reserve, raise_reaches, reserved_entries, seal, validate,
+                                  with_reaches)
 
-__all__ = ["lookup", "pin", "reserve_entries", "reserve_slots"]
+__all__ = ["finish_entries", "lookup", "pin", "reserve_entries", "reserve_slots", "stamp",
+           "unpin", "write"]
 
 U64 = np.uint64
 ENTRY = 64
@@ -80,6 +82,31 @@ def lookup(address, base, mask, capacity, insn, keys, leading, codes, slots, ent
 def _unpin(word, flush_insn):
     add_u32(word, -1)
     lines(flush_insn, word, 8)
+
+
+@kernel
+def unpin(address, pins, mask, flush_insn, slots):
+    """`Index._unpin_words`: one off this node's pin word of each of
+    ``slots``, written back (no fence: an unpin seen late only delays an
+    eviction).  Returns the first row whose word was not pinned, or -1."""
+    first = -1
+    for i in range(slots.size):  # the adds first: a locked add waits for earlier write-backs
+        if add_u32(address + pins + (slots[i] & mask) * 8, -1) == 0 and first < 0:
+            first = i
+    for i in range(slots.size):
+        lines(flush_insn, address + pins + (slots[i] & mask) * 8, 8)
+    return first
+
+
+@kernel
+def stamp(address, pins, mask, flush_insn, slots, now):
+    """`Index._stamp_words`: this node's access stamp of each of ``slots``
+    set to ``now`` (the high half of its pin word) and written back (the
+    caller fences)."""
+    for i in range(slots.size):
+        halves(address + pins + (slots[i] & mask) * 8, 2)[1] = now
+    for i in range(slots.size):
+        lines(flush_insn, address + pins + (slots[i] & mask) * 8, 8)
 
 
 @kernel
@@ -222,3 +249,20 @@ def reserve_entries(address, base, mask, insn, keys, codes, slots, targets, home
     with_reaches(written[:taken], reaches[:taken])
     _write(address, base, mask, insn, at, written[:taken])
     return taken
+
+
+@kernel
+def write(address, base, mask, insn, slots, entries):
+    """`Index._write`: ``entries`` sealed, stored at ``slots`` and written
+    back (the caller fences: R3)."""
+    _write(address, base, mask, insn, slots, entries)
+
+
+@kernel
+def finish_entries(address, base, mask, insn, slots, expected, state, checksums, ours, done):
+    """`Index._finished`, under the index lock: the entries of ``slots``
+    read fresh (R4); those still as reserved are ``ours``, moved on into
+    ``done`` (`probe.finished`).  Returns how many."""
+    entries = np.empty((slots.size, 8), np.uint64)
+    _read(address, base, mask, insn, slots, entries)
+    return finished(entries, expected, state, checksums, ours, done)
