@@ -687,7 +687,10 @@ class Index:
                                                                  // run), replace=False)
 
         def stalest(slots, entries, candidates, stamps):
-            return candidates[np.argsort(stamps, kind="stable")[:count]]
+            # ties (stamps are quarter seconds) broken at random, not by
+            # position: holes spread over the runs, not whole runs emptied
+            ties = self._sample.random(candidates.size)
+            return candidates[np.lexsort((ties, stamps))[:count]]
         return len(self._evict(runs, stalest, timeout))
 
     def remove(self, keys, timeout: float | None = None) -> np.ndarray:
