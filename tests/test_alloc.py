@@ -316,6 +316,38 @@ def test_reclaim_reads_owner_records_fresh():
 
 
 @pytest.mark.sim
+def test_an_eviction_reads_its_payloads_owner_records_fresh():
+    """Node 0's cache still holds the owner records of free chunks that
+    node 1 has since taken for the payloads of two entries; node 0 evicts
+    the entries and must free both payloads (`payload_owners` reads the
+    records fresh, R4), else they would stay taken with nothing naming
+    them."""
+    pool = SimPool(192 * 1024, hosts=2, seed=0, chaos=0.0, max_steps=400_000)
+    format_pool(pool.hosts[0], max_nodes=2, locks=("alloc", "objects", "index"), max_locks=3,
+                chunk_size=8192, max_objects=4, index_capacity=16, lock_mode="bakery",
+                lease_timeout=SIM_LEASE)
+    for host in pool.hosts:
+        host.invalidate(0, pool.size)
+        host.fence()
+    handles = [Pool(host, node, clock=pool.clock, heartbeat=False, local_locks=False)
+               for node, host in enumerate(pool.hosts)]
+    allocator, nchunks = handles[0].allocator, handles[0].header.nchunks
+    evicted = []
+
+    def steps(host):
+        for chunk in range(nchunks):
+            allocator.owner_fresh(chunk)  # node 0 caches every record: all free
+        keys = np.array([[1, 0], [2, 0]], dtype=np.uint64)
+        writer = handles[1].index
+        assert all(writer.publish(writer.reserve(keys, 8192)))
+        evicted.append(handles[0].index.evict(2, window=16))
+
+    pool.run((0, steps))
+    bits = _memory_words(pool, handles[0].alloc_layout.bitmap, 1)
+    assert evicted == [2] and int(bits[0]) == 0
+
+
+@pytest.mark.sim
 def test_the_chunk_check_reads_fresh_and_its_repairs_are_published():
     """`Allocator.check` on node 1 sees the cursor and an owner record that
     node 0 changed after node 1 cached them (R4); the repairs node 1 makes
@@ -824,7 +856,7 @@ def test_a_dropped_reference_to_a_block_reclaimed_meanwhile_frees_nothing(pool_p
         assert receiver.poll(60)
         offset = receiver.recv()
         child.join(60)
-        owner = allocator.payload_owner(offset)  # read while the reference stood
+        owner, = allocator.payload_owners([offset])  # read while the reference stood
         assert owner.pid == child.pid
         # the reclaim gives the dead process's block back, and it is given out again
         assert allocator.heap.release_blocks([(offset, child.pid)]) == 1
@@ -835,5 +867,5 @@ def test_a_dropped_reference_to_a_block_reclaimed_meanwhile_frees_nothing(pool_p
         pool.free(offset)
         with pytest.raises(ValueError, match="already free"):
             pool.free(offset)  # a plain free of a free block still fails loudly
-        assert allocator.free_of(kept, allocator.payload_owner(kept)) is True
+        assert allocator.free_of(kept, *allocator.payload_owners([kept])) is True
         assert allocator.heap.holder(kept) == 0

@@ -93,6 +93,14 @@ def test_probe_kernels_match_their_twins():
         first = rng.randrange(mask + 1)
         probe.reaches(table, count, mask, first, found)
         assert found[:count].tolist() == naive.reaches(table, count, mask, first)
+        run = rng.choice([2, 4])  # eviction's windows, each with lines after it
+        extras = np.array([rng.randrange(mask + 2 - run) for _ in range((mask + 1) // run)])
+        rotated = [table[(w * run + np.arange(run + extra)) & mask]
+                   for w, extra in enumerate(extras)]
+        tails = np.concatenate([lines[run:] for lines in rotated]).reshape(-1, 8)
+        probe.window_reaches(table, tails, extras, run, mask, np.arange(mask + 1), found)
+        assert found.tolist() == sum((naive.reaches(lines, run, mask, w * run)
+                                      for w, lines in enumerate(rotated)), [])
         slots = np.array(rng.sample(range(mask + 1), count), dtype=np.int64)
         homes = table[(keys[:, 0].astype(np.int64) & mask)][np.arange(count) % len(keys)]
         batch = keys[np.arange(count) % len(keys)]

@@ -36,7 +36,7 @@ to the Python steps here):
   allocator's own, flushed and fenced here;
 - a free of memory whose reference was dropped just before (eviction)
   names the owner record read while the reference stood
-  (`Allocator.payload_owner`, `Allocator.free_of`): memory reclaimed in
+  (`Allocator.payload_owners`, `Allocator.free_of`): memory reclaimed in
   between is not freed again, nor another allocation made in it since.
 
 A block of another node's slab is freed through a *remote-free ring* from the
@@ -782,24 +782,33 @@ class Allocator:
             raise
         return offsets
 
-    def payload_owner(self, offset: int) -> Owner:
-        """The owner record of the chunk that holds the allocation at
-        ``offset``, read fresh: read while something still references the
-        allocation, it lets `free_of` free it later only if it is still
-        that allocation.  For a block of this node's own slab, ``pid`` is
-        the process that holds the block (0: none), so that `free_of` frees
-        it only while that process still holds it."""
-        owner = self.owner_fresh(self.chunk_of(offset))
-        if owner.kind == SLAB and self.heap is not None \
-                and (owner.node, owner.epoch) == (self.node, self.pool.epoch):
-            holder = self.heap.holder(offset)
-            if holder != NOT_MINE:
-                return owner._replace(pid=holder)
-        return owner
+    def payload_owners(self, offsets: list[int]) -> list[Owner]:
+        """The owner record of the chunk that holds each allocation at
+        ``offsets``, read fresh (R4: all dropped, one fence): read while
+        something still references the allocation, it lets `free_of` free
+        it later only if it is still that allocation.  For a block of this
+        node's own slab, ``pid`` is the process that holds the block (0:
+        none), so that `free_of` frees it only while that process still
+        holds it."""
+        chunks = [self.chunk_of(offset) for offset in offsets]
+        records = self.layout.owner(np.array(chunks, dtype=np.int64))
+        lines = np.unique(np.concatenate([records, records + OWNER_BYTES - 1]) & ~(LINE - 1))
+        self.region.invalidate_lines(lines)
+        self.region.fence()
+        owners = []
+        for offset, chunk in zip(offsets, chunks):
+            owner = self.owner(chunk)
+            if owner.kind == SLAB and self.heap is not None \
+                    and (owner.node, owner.epoch) == (self.node, self.pool.epoch):
+                holder = self.heap.holder(offset)
+                if holder != NOT_MINE:
+                    owner = owner._replace(pid=holder)
+            owners.append(owner)
+        return owners
 
     def free_of(self, offset: int, owner: Owner, timeout: float | None = None) -> bool:
         """Free the allocation at ``offset`` if its chunk still holds what
-        ``owner`` (from `payload_owner`) named; False when the pool
+        ``owner`` (from `payload_owners`) named; False when the pool
         reclaimed it meanwhile: its owner (an extent's process, a slab's
         node) died and the reference was dropped before this free, so the
         reclaim freed it, and it may hold another allocation now."""
@@ -826,7 +835,7 @@ class Allocator:
             # this node's own slab: a killed process's block is given back by
             # `reclaim_dead_blocks` once nothing references it, which may come
             # first (and the block be given out again): free it only while the
-            # process that held it at `payload_owner` still does
+            # process that held it at `payload_owners` still does
             if owner.pid == 0:
                 return False
             found = self.heap.free(offset, owner.pid)

@@ -823,7 +823,7 @@ class Index:
                 # the owner (an extent's process, a slab's node) dies, the allocator may
                 # reclaim it once the entry is a tombstone, before the free below, and
                 # give it to another allocation
-                owners = [self.pool.allocator.payload_owner(offset) for offset in freed]
+                owners = self.pool.allocator.payload_owners(freed)
                 evicted_slots = slots[chosen[evicted]].tolist()
                 gone, kept = marked[evicted], marked[~evicted]
                 self._tombstone(gone)
@@ -833,31 +833,31 @@ class Index:
                 entries[chosen] = marked
                 lock.check()
                 self._write(slots[chosen], entries[chosen])
-            for first in range(0, slots.size, run):
-                self._lower_reaches(slots[first:first + run], entries[first:first + run], lock)
+            self._lower_reaches(slots, entries, run, lock)
         for offset, owner in zip(freed, owners):  # the tombstones are in memory (released)
             self.pool.allocator.free_of(offset, owner)
         if freed:
             self.pool.stats.add(evictions=len(freed))
         return evicted_slots
 
-    def _lower_reaches(self, slots: np.ndarray, entries: np.ndarray, lock) -> None:
-        """Lower the reach of each slot of a window (``entries``, as just
-        written) to the farthest entry still homed there, reading the lines
-        after the window that the reaches cover.  The entries are in memory
-        first (the epoch check fences), so no entry is ever past its home's
-        reach."""
+    def _lower_reaches(self, slots: np.ndarray, entries: np.ndarray, run: int, lock) -> None:
+        """Lower the reach of each slot of the windows of ``run`` slots
+        (``entries``, as just written) to the farthest entry still homed
+        there, reading in one batch the lines after each window that its
+        reaches cover.  The entries are in memory first (the epoch check
+        fences), so no entry is ever past its home's reach."""
         reaches = self._reach(entries)
-        known = np.flatnonzero(reaches != UNKNOWN)
-        if not known.size:
-            return
-        covered = int((known + reaches[known]).max()) + 1  # may wrap past the window
-        lines = entries
-        if covered > slots.size:
-            tail = (slots[0] + np.arange(slots.size, covered)) & self.mask
-            lines = np.vstack([entries, self._read(self._entries(tail))])
+        known = reaches.reshape(-1, run) != UNKNOWN  # a reach may wrap past its window
+        covered = np.where(known, np.arange(run) + reaches.reshape(-1, run), -1).max(axis=1) + 1
+        extras = np.maximum(covered - run, 0)
+        total = int(extras.sum())
+        tails = np.zeros((0, 8), dtype=np.uint64)
+        if total:
+            after = np.arange(total) - np.repeat(np.cumsum(extras) - extras, extras)
+            tails = self._read(self._entries((np.repeat(slots[::run] + run, extras) + after)
+                                             & self.mask))
         lowered = np.empty(slots.size, dtype=np.int64)
-        probe.reaches(lines, slots.size, self.mask, int(slots[0]), lowered)
+        probe.window_reaches(entries, tails, extras, run, self.mask, slots, lowered)
         changed = np.flatnonzero(lowered < reaches)
         if changed.size:
             rows = entries[changed]

@@ -1,6 +1,6 @@
 """asv: the prefix index (`tract bench index`): per batch of 64 chained
-keys at 70% load, lookup + pin + validate + unpin, lookup alone, and
-reserve + publish, next to the store + flush + fence round trip they are
+keys at 70% load, lookup + pin + validate + unpin, lookup alone,
+reserve + publish, and the eviction that keeps the load at 70%, next to the store + flush + fence round trip they are
 judged against."""
 
 import numpy as np
@@ -27,6 +27,14 @@ class Batch:
 
     def time_reserve_publish(self):
         bench._drop(self.harness, self.harness.publish(self.harness.publish_fresh()))
+
+    def track_evict(self):
+        """Nanoseconds per entry evicted, over 8 batches published then
+        evicted (only the eviction timed)."""
+        _, evict = bench._publish_ns(self.harness, 8)
+        return evict
+
+    track_evict.unit = "ns"
 
 
 class RoundTrip:

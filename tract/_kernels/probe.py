@@ -36,6 +36,7 @@ __all__ = ["BUSY", "CONTINUE", "EMPTY", "EVICTING", "EXISTS", "FREE", "HIT", "MI
            "REACH_BITS", "TOKENS_MAX", "TOMBSTONE", "UNKNOWN", "WRITING", "collect", "empty",
            "entry_check", "finished", "grow_windows", "next_widths", "place", "probe_lookup",
            "probe_reserve", "raise_reaches", "reach", "reaches", "reserved_entries", "seal",
+           "window_reaches",
            "validate", "whole", "with_reaches"]
 
 EMPTY, WRITING, READY, EVICTING, TOMBSTONE = 0, 1, 2, 3, 4
@@ -218,6 +219,25 @@ def next_widths(lines, widths, pending, count, capacity, targets):
         targets[k] = min(want, capacity)
         widest = max(widest, targets[k])
     return widest
+
+
+@kernel
+def window_reaches(entries, tails, extras, run, mask, slots, out):
+    """`reaches` of each window of ``run`` consecutive slots of
+    ``entries`` (slots ``slots``), followed by its share of ``tails``, the
+    lines after the windows that their reaches cover (``extras[w]`` for
+    window ``w``, in order)."""
+    width = run
+    for w in range(extras.size):
+        width = max(width, run + extras[w])
+    lines = np.empty((width, 8), U64)
+    at = 0
+    for w in range(extras.size):
+        first, extra = w * run, extras[w]
+        lines[:run] = entries[first:first + run]
+        lines[run:run + extra] = tails[at:at + extra]
+        reaches(lines[:run + extra], run, mask, slots[first], out[first:first + run])
+        at += extra
 
 
 @kernel
