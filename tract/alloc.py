@@ -790,6 +790,8 @@ class Allocator:
         node's own slab, ``pid`` is the process that holds the block (0:
         none), so that `free_of` frees it only while that process still
         holds it."""
+        if not offsets:
+            return []
         chunks = [self.chunk_of(offset) for offset in offsets]
         records = self.layout.owner(np.array(chunks, dtype=np.int64))
         lines = np.unique(np.concatenate([records, records + OWNER_BYTES - 1]) & ~(LINE - 1))

@@ -36,8 +36,7 @@ __all__ = ["BUSY", "CONTINUE", "EMPTY", "EVICTING", "EXISTS", "FREE", "HIT", "MI
            "REACH_BITS", "TOKENS_MAX", "TOMBSTONE", "UNKNOWN", "WRITING", "collect", "empty",
            "entry_check", "finished", "grow_windows", "next_widths", "place", "probe_lookup",
            "probe_reserve", "raise_reaches", "reach", "reaches", "reserved_entries", "seal",
-           "window_reaches",
-           "validate", "whole", "with_reaches"]
+           "validate", "whole", "window_reaches", "with_reaches"]
 
 EMPTY, WRITING, READY, EVICTING, TOMBSTONE = 0, 1, 2, 3, 4
 # lookup outcomes
