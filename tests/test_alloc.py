@@ -31,9 +31,9 @@ SIM_LEASE = 0.004
 
 # ----------------------------------------------------------- simulator runs
 
-def _sim_pool(seed, nodes, chaos=0.2, size=128 * 1024):
+def _sim_pool(seed, nodes, chaos=0.2, size=128 * 1024, locks=("alloc", "objects")):
     pool = SimPool(size, hosts=nodes, seed=seed, chaos=chaos, max_steps=400_000)
-    format_pool(pool.hosts[0], max_nodes=nodes, locks=("alloc", "objects"), max_locks=2,
+    format_pool(pool.hosts[0], max_nodes=nodes, locks=locks, max_locks=len(locks),
                 chunk_size=8192, max_objects=16, index_capacity=64, lock_mode="bakery",
                 lease_timeout=SIM_LEASE)
     for host in pool.hosts:
@@ -322,13 +322,7 @@ def test_an_eviction_reads_its_payloads_owner_records_fresh():
     the entries and must free both payloads (`payload_owners` reads the
     records fresh, R4), else they would stay taken with nothing naming
     them."""
-    pool = SimPool(192 * 1024, hosts=2, seed=0, chaos=0.0, max_steps=400_000)
-    format_pool(pool.hosts[0], max_nodes=2, locks=("alloc", "objects", "index"), max_locks=3,
-                chunk_size=8192, max_objects=4, index_capacity=16, lock_mode="bakery",
-                lease_timeout=SIM_LEASE)
-    for host in pool.hosts:
-        host.invalidate(0, pool.size)
-        host.fence()
+    pool = _sim_pool(0, 2, chaos=0.0, locks=("alloc", "objects", "index"))
     handles = [Pool(host, node, clock=pool.clock, heartbeat=False, local_locks=False)
                for node, host in enumerate(pool.hosts)]
     allocator, nchunks = handles[0].allocator, handles[0].header.nchunks
@@ -340,7 +334,7 @@ def test_an_eviction_reads_its_payloads_owner_records_fresh():
         keys = np.array([[1, 0], [2, 0]], dtype=np.uint64)
         writer = handles[1].index
         assert all(writer.publish(writer.reserve(keys, 8192)))
-        evicted.append(handles[0].index.evict(2, window=16))
+        evicted.append(handles[0].index.evict(2, window=64))
 
     pool.run((0, steps))
     bits = _memory_words(pool, handles[0].alloc_layout.bitmap, 1)
