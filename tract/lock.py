@@ -27,7 +27,11 @@ Tier 2 arbitrates between nodes over pool memory, in one of three modes:
     grant lines; the manager line names the current manager and its epoch and
     is written only by a node holding the internal election lock (bakery).
     A standby takes over when the manager's heartbeat is stale; nodes follow
-    the manager line, so a stale manager's writes reach nobody.  A new
+    the manager line, so a stale manager's writes reach nobody.  When a
+    manager process exits, another process of its node takes over: it
+    rewrites the node's grant lines, then names the new epoch in the
+    manager line; a holder that checks in between sees the two epochs
+    differ and reads again (a take-over under way, not a lost grant).  A new
     manager trusts nothing its predecessor wrote: it grants nothing until
     every node is outside (``req_seq == done_seq``) or has written the new
     manager epoch into ``ack`` while waiting — a node inside never polls.
@@ -461,8 +465,12 @@ class ManagedLock:
         space = self.space
         start, backoff = space.clock.now(), space.backoff()
         _, manager_epoch, grant = self._current()
-        while grant is None and space.clock.now() - start < space.lease_timeout:
-            backoff.wait()  # torn: its writer is mid-update
+        # Torn (its writer is mid-update), or of another manager epoch than
+        # the manager line: a take-over by another process of the manager's
+        # node rewrites these same grant lines before the manager line.
+        while ((grant is None or grant.manager_epoch != manager_epoch)
+               and space.clock.now() - start < space.lease_timeout):
+            backoff.wait()
             _, manager_epoch, grant = self._current()
         if grant is None or grant.manager_epoch != manager_epoch:
             held = False
