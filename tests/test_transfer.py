@@ -184,7 +184,8 @@ def test_bench_transfer_reports_every_figure_against_its_baseline():
         for kind, baseline in [("put", "nt_copy"), ("get", "memcpy"), ("get", "memcpy_cached"),
                                ("put,no-checksum", "nt_copy"), ("get,no-checksum", "memcpy"),
                                ("handoff", "two_copy_best"), ("handoff", "two_copy_memcpy"),
-                               ("handoff", "tcp_loopback")]:
+                               ("handoff", "tcp_loopback"),
+                               ("two_copy_best", "tcp_loopback")]:
             result = by_name[(f"transfer[{kind},{label}]", baseline)].as_dict()
             assert result["value"] > 0 and result["baseline_value"] > 0
             assert 0 < result["ratio_min"] <= result["ratio"] <= result["ratio_max"]

@@ -20,7 +20,10 @@ each sample moving at least 64 MiB (more blocks at the small sizes):
   against the same handoff over the peers: raw TCP loopback between two
   processes, Redis (SET/GET), and Mooncake Store (TCP, and its
   shared-memory path) when they can be started here; the report says
-  which could not, and why.
+  which could not, and why;
+- ``two_copy_best`` against each peer too: a CPU handoff makes two copies,
+  so this is the ceiling of any handoff's ratio to that peer on this
+  machine (a target above it is out of reach here).
 
 Every measurement runs once a round, in turn with all the others (A B A
 B ...: tract, its baselines, the peers), and each figure's ratio is the
@@ -334,7 +337,10 @@ COMPARISONS = [("put", "put", "nt_copy"), ("get", "get", "memcpy"),
                ("get_plain", "get,no-checksum", "memcpy"),
                ("handoff", "handoff", "two_copy_best"), ("handoff", "handoff", "two_copy_memcpy"),
                ("handoff", "handoff", "tcp_loopback"),
-               *[("handoff", "handoff", peer) for peer in PEERS]]
+               *[("handoff", "handoff", peer) for peer in PEERS],
+               # the ceiling: no CPU handoff beats two copies, so no ratio of
+               # tract's to a peer's can exceed this one (same rounds)
+               *[("two_copy_best", "two_copy_best", peer) for peer in ("tcp_loopback", *PEERS)]]
 
 
 def _cpu(size: int, count: int, repeats: int, harness: BenchPool, peers: bool,
