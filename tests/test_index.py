@@ -83,7 +83,15 @@ def test_probe_kernels_match_their_twins():
         widths = np.array([rng.randint(1, mask + 1) for _ in range(count)], dtype=np.int64)
         table_lines = table[(start[:, None] + np.arange(mask + 1)) & mask]
         live = np.array([rng.choice([1, 2, 2**64 - 1]) for _ in range(nodes)], dtype=np.uint64)
-        probe.probe_reserve(keys, table_lines, start, mask, widths, live, codes, where)
+        codes[:] = naive.CONTINUE
+        probe.probe_reserve(keys, table_lines, start, mask, widths, live,
+                            np.ones(count, np.bool_), codes, where)
+        assert list(zip(codes.tolist(), where.tolist())) == \
+            naive.probe_reserve(keys, table_lines, start, mask, widths, live)
+        # called again with some windows grown: as if every key were decided again
+        grown = np.array([rng.random() < 0.5 for _ in range(count)])
+        widths[grown] = np.minimum(widths[grown] + rng.randint(1, 3), mask + 1)
+        probe.probe_reserve(keys, table_lines, start, mask, widths, live, grown, codes, where)
         assert list(zip(codes.tolist(), where.tolist())) == \
             naive.probe_reserve(keys, table_lines, start, mask, widths, live)
         found = np.empty(mask + 1, np.int64)

@@ -578,7 +578,7 @@ class Index:
         up to its width."""
         count = keys.shape[0]
         live = self._live_epochs()
-        codes = np.empty(count, np.int64)
+        codes = np.full(count, CONTINUE, np.int64)
         if self._fast:
             slots = np.empty(count, np.int64)
             targets, homes = (np.empty((count, 8), np.uint64) for _ in range(2))
@@ -595,6 +595,7 @@ class Index:
         lines = np.empty((count, min(self.capacity, 32), 8), dtype=np.uint64)
         where = np.empty(count, np.int64)
         pending, widest = np.arange(count), min(2, self.capacity)
+        grown = np.zeros(count, np.bool_)  # whose windows grew since the last probe
         while True:
             if widest > lines.shape[1]:
                 wider = np.empty((count, widest, 8), dtype=np.uint64)
@@ -605,7 +606,9 @@ class Index:
             new = probe.grow_windows(pending, widths, wants, start, self.mask, self.base,
                                      offsets, rows, positions)
             probe.place(lines, self._read(offsets[:new]), rows, positions, new)
-            probe.probe_reserve(keys, lines, start, self.mask, widths, live, codes, where)
+            grown[pending] = True
+            probe.probe_reserve(keys, lines, start, self.mask, widths, live, grown, codes, where)
+            grown[:] = False
             pending = np.flatnonzero(codes == CONTINUE)
             if not pending.size:
                 break

@@ -159,13 +159,16 @@ def reserve_slots(address, base, mask, capacity, insn, keys, live, codes, slots,
     widths = np.zeros(count, np.int64)
     wants = np.full(count, min(2, capacity), np.int64)
     where = np.empty(count, np.int64)
+    codes[:] = CONTINUE
+    grown = np.ones(count, np.bool_)  # whose windows grew since the last probe
     table = np.empty((count, min(capacity, 32), 8), np.uint64)
     pending = np.arange(count)
     left, widest = count, min(2, capacity)
     while True:
         if widest > table.shape[1]:
             wider = np.empty((count, widest, 8), np.uint64)
-            wider[:, :table.shape[1]] = table
+            for k in range(count):  # only the lines read: one long window widens them all
+                wider[k, :widths[k]] = table[k, :widths[k]]
             table = wider
         new = 0
         for i in range(left):
@@ -180,13 +183,15 @@ def reserve_slots(address, base, mask, capacity, insn, keys, live, codes, slots,
         fresh = np.empty((new, 8), np.uint64)
         _read(address, base, mask, insn, window, fresh)
         n = 0
+        grown[:] = False
         for i in range(left):
             k = pending[i]
             for w in range(widths[k], wants[k]):
                 table[k, w] = fresh[n]
                 n += 1
+            grown[k] = wants[k] > widths[k]
             widths[k] = max(widths[k], wants[k])
-        probe_reserve(keys, table, start, mask, widths, live, codes, where)
+        probe_reserve(keys, table, start, mask, widths, live, grown, codes, where)
         left = 0
         for k in range(count):
             if codes[k] == CONTINUE:

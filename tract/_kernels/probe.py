@@ -247,7 +247,7 @@ def place(lines, read, rows, positions, count):
 
 
 @kernel
-def probe_reserve(keys, lines, start, mask, widths, live_epochs, codes, positions):
+def probe_reserve(keys, lines, start, mask, widths, live_epochs, grown, codes, positions):
     """Under the index lock: for each key in turn, EXISTS where its entry
     is (READY, EVICTING, or WRITING by a live writer), else FREE at the
     first reusable slot of its window (empty, tombstone, or WRITING by a
@@ -259,28 +259,53 @@ def probe_reserve(keys, lines, start, mask, widths, live_epochs, codes, position
     Key ``k``'s window is the slots ``(start[k] + w) & mask`` for ``w`` below
     ``widths[k]``, its home first; a key that reaches its width continues,
     unless its window covers the whole table (``mask + 1`` slots): then a
-    reusable slot is taken anyway."""
-    for k in range(keys.shape[0]):
-        codes[k] = CONTINUE
-        positions[k] = -1
+    reusable slot is taken anyway.
+
+    Called again as windows grow: ``grown[k]`` says key ``k``'s window
+    grew since the last call (all keys, on the first).  A key whose window
+    did not grow keeps its outcome unless an earlier key newly claimed a
+    slot of its window: its outcome depends on nothing else, so the result
+    is the same as deciding every key again.  (Claims only accumulate: a
+    longer window never changes a decided outcome, and a key leaves its
+    slot only when an earlier key claims that slot.)"""
+    count = keys.shape[0]
+    moved = np.empty(count, np.int64)  # slots newly claimed in this call
+    n_moved = 0
+    for k in range(count):
+        old_code, old_position = codes[k], positions[k]
         twin = -1
         for j in range(k):
             if keys[j, 0] == keys[k, 0] and keys[j, 1] == keys[k, 1]:
                 twin = j
                 break
-        if twin >= 0:
+        if twin >= 0:  # claims nothing
             codes[k] = EXISTS if codes[twin] == FREE else codes[twin]
             positions[k] = positions[twin]
             continue
+        if not grown[k]:
+            affected = False
+            for m in range(n_moved):
+                if (moved[m] - start[k]) & mask < widths[k]:
+                    affected = True
+                    break
+            if not affected:
+                continue
+        codes[k] = CONTINUE
+        positions[k] = -1
         home_reach = _reach(lines[k, 0])
         reusable = -1
         for w in range(widths[k]):
             entry = lines[k, w]
-            empty = _empty(entry)
+            nonzero = False
+            for i in range(8):
+                if entry[i] != 0:
+                    nonzero = True
+                    break
+            whole = nonzero and entry[7] == _check(entry)
+            state = entry[3] & U64(0xFF)
+            empty = not nonzero or (whole and state == EMPTY)
             free = False
             if not empty:
-                whole = entry[7] == _check(entry)
-                state = entry[3] & U64(0xFF)
                 writer = np.int64((entry[3] >> U64(8)) & U64(0xFFFF)) - 1
                 dead_writer = (state == WRITING and whole
                                and not (0 <= writer < live_epochs.size
@@ -305,6 +330,9 @@ def probe_reserve(keys, lines, start, mask, widths, live_epochs, codes, position
                 break
         if codes[k] == CONTINUE and widths[k] > mask and reusable >= 0:
             codes[k], positions[k] = FREE, reusable
+        if codes[k] == FREE and (old_code != FREE or positions[k] != old_position):
+            moved[n_moved] = (start[k] + positions[k]) & mask
+            n_moved += 1
 
 
 @kernel
