@@ -225,6 +225,16 @@ def raise_reaches(keys, slots, homes, mask, reaches):
     return reaches, raised
 
 
+def outside(entries, low, high):
+    """The first row whose payload [offset, offset + length) (words 4 and
+    5, unsigned) is empty or not inside [low, high), or -1."""
+    for row, entry in enumerate(entries):
+        offset, length = int(entry[4]), int(entry[5])
+        if length == 0 or offset < low or offset + length > high:
+            return row
+    return -1
+
+
 _REACH_BITS = 0xFFFF << 24
 
 

@@ -94,6 +94,12 @@ def test_probe_kernels_match_their_twins():
         probe.probe_reserve(keys, table_lines, start, mask, widths, live, grown, codes, where)
         assert list(zip(codes.tolist(), where.tolist())) == \
             naive.probe_reserve(keys, table_lines, start, mask, widths, live)
+        low, high = rng.choice([(0, 1 << 20), (4096, 8192)])
+        payloads = table.copy()
+        payloads[:, 4:6] = [[rng.choice([0, 4096, 8000, 1 << 63, 2**64 - 64]),
+                             rng.choice([0, 1, 192, 4096, 1 << 63, 2**64 - 1])]
+                            for _ in range(mask + 1)]
+        assert probe.outside(payloads, low, high) == naive.outside(payloads, low, high)
         found = np.empty(mask + 1, np.int64)
         probe.reach(table, found)
         assert found.tolist() == [naive.reach(entry) for entry in table]

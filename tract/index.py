@@ -354,12 +354,10 @@ class Index:
         if len(hits):
             self.pool.stats.add(pins=len(hits))
         low, high = self.heap
-        offsets, lengths = hits.offsets, hits.lengths
-        bad = np.flatnonzero((offsets < low) | (lengths <= 0) | (lengths > high - offsets))
-        if bad.size:
+        bad = probe.outside(entries, low, high)
+        if bad >= 0:
             self.unpin(hits)
-            slot, offset, length = int(slots[bad[0]]), int(offsets[bad[0]]), \
-                int(lengths[bad[0]])
+            slot, offset, length = int(slots[bad]), int(entries[bad, 4]), int(entries[bad, 5])
             raise CorruptionError(f"index entry {slot} at offset {self.entry_offset(slot)}"
                                   f" names payload [{offset}, {offset + length}) outside the "
                                   f"heap [{low}, {high})")

@@ -61,7 +61,7 @@ class NodeStats:
 
     def __init__(self, region, base: int, node: int):
         self.region, self.offset = region, base + node * STATS_BYTES
-        self._pending = np.zeros(_WORDS, dtype=np.uint64)
+        self._pending = [0] * _WORDS  # Python ints: a count costs no numpy call
         self._mutex = threading.Lock()
 
     def add(self, **deltas: int) -> None:
@@ -72,15 +72,17 @@ class NodeStats:
             if delta < 0:
                 raise ValueError(f"pool counters only grow: {name} += {delta}")
         with self._mutex:
+            pending = self._pending
             for name, delta in deltas.items():
-                self._pending[_INDEX[name]] += np.uint64(delta)
+                pending[_INDEX[name]] += int(delta)
 
     def publish(self) -> None:
         """Add the counts so far to the pool: in memory on return (R3)."""
         with self._mutex:
-            words, self._pending = self._pending, np.zeros(_WORDS, dtype=np.uint64)
-        if not words.any():
+            counts, self._pending = self._pending, [0] * _WORDS
+        if not any(counts):
             return
+        words = np.array([count & 0xFFFF_FFFF_FFFF_FFFF for count in counts], dtype=np.uint64)
         self.region.local_add_u64s(self.offset, words)
         self.region.flush(self.offset, STATS_BYTES)
         self.region.fence()

@@ -24,7 +24,7 @@ The kernels read entries gathered from the pool (never the pool itself) and
 decide; `tract.index` moves the lines.
 Each key probes a *window*: the lines from its home slot on, ``(n, W, 8)``.
 Twins: ``tests/naive.py`` (``entry_check``, ``reach``, ``probe_lookup``,
-``probe_reserve``, ``reaches``, ``raise_reaches``).
+``probe_reserve``, ``reaches``, ``raise_reaches``, ``outside``).
 """
 
 import numpy as np
@@ -34,9 +34,9 @@ from tract.lines import CHECK_ADD, CHECK_PRIME
 
 __all__ = ["BUSY", "CONTINUE", "EMPTY", "EVICTING", "EXISTS", "FREE", "HIT", "MISS", "READY",
            "REACH_BITS", "TOKENS_MAX", "TOMBSTONE", "UNKNOWN", "WRITING", "collect", "empty",
-           "entry_check", "finished", "grow_windows", "next_widths", "place", "probe_lookup",
-           "probe_reserve", "raise_reaches", "reach", "reaches", "reserved_entries", "seal",
-           "validate", "whole", "window_reaches", "with_reaches"]
+           "entry_check", "finished", "grow_windows", "next_widths", "outside", "place",
+           "probe_lookup", "probe_reserve", "raise_reaches", "reach", "reaches",
+           "reserved_entries", "seal", "validate", "whole", "window_reaches", "with_reaches"]
 
 EMPTY, WRITING, READY, EVICTING, TOMBSTONE = 0, 1, 2, 3, 4
 # lookup outcomes
@@ -182,6 +182,18 @@ def validate(first, lines, ok):
         ok[k] = (entry[7] == _check(entry) and entry[0] == first[k, 0]
                  and entry[1] == first[k, 1] and entry[2] == first[k, 2]
                  and entry[4] == first[k, 4] and entry[3] & U64(0xFF) == READY)
+
+
+@kernel
+def outside(entries, low, high):
+    """The first row whose payload (offset, word 4; length, word 5) does
+    not lie inside the heap ``[low, high)``, or -1 (R5: a pinned entry's
+    range is checked before its payload is read)."""
+    for k in range(entries.shape[0]):
+        offset, length = np.int64(entries[k, 4]), np.int64(entries[k, 5])
+        if offset < low or length <= 0 or length > high - offset:
+            return k
+    return -1
 
 
 @kernel
