@@ -300,14 +300,12 @@ class Index:
         """(codes, slots, entries) of each key's lookup.  Windows grow
         2, 8, 32... lines, each round reading only the keys still probing.
         ``leading``: only the keys before the first miss matter."""
+        if self._fast:
+            return self._probe_fast(keys, leading)[:3]
         count = keys.shape[0]
         codes = np.full(count, CONTINUE, dtype=np.int64)
         slots = np.full(count, -1, dtype=np.int64)
         entries = np.zeros((count, 8), dtype=np.uint64)
-        if self._fast:
-            indexfast.lookup(self.region.base, self.base, self.mask, self.capacity,
-                             self._read_insn, keys, leading, codes, slots, entries)
-            return codes, slots, entries
         start = (keys[:, 0] & np.uint64(self.mask)).astype(np.int64)
         reaches = np.empty(count, dtype=np.int64)
         pending, left, scanned, width = np.arange(count), count, 0, 2
@@ -324,6 +322,16 @@ class Index:
             width *= 4
         return codes, slots, entries
 
+    def _probe_fast(self, keys: np.ndarray, leading: bool):
+        """`_probe` in one kernel call (which sets every output), and how
+        many keys lead with HIT."""
+        count = keys.shape[0]
+        codes, slots = np.empty(count, np.int64), np.empty(count, np.int64)
+        entries = np.empty((count, 8), np.uint64)
+        hits = indexfast.lookup(self.region.base, self.base, self.mask, self.capacity,
+                                self._read_insn, keys, leading, codes, slots, entries)
+        return codes, slots, entries, hits
+
     @staticmethod
     def _leading(codes: np.ndarray) -> int:
         misses = np.flatnonzero(codes != HIT)
@@ -332,6 +340,8 @@ class Index:
     def lookup(self, keys) -> int:
         """How many of ``keys`` (a chain, in order) are READY from the first on."""
         keys = _keys(keys)
+        if self._fast:
+            return self._probe_fast(keys, True)[3]
         codes, _, _ = self._probe(keys, leading=True)
         return self._leading(codes)
 
