@@ -19,9 +19,10 @@ Tier 2 arbitrates between nodes over pool memory, in one of three modes:
     its own request line and the grant line.  The manager takes a lock back
     from a holder h that is idle or back in on its sticky grant (never from
     one that has yet to use a fresh grant: that would livelock): it first
-    marks the grant REVOKING, fences, and only then reads h's request line: h is outside when ``req_seq == done_seq``, or when h
-    waits for a fresh grant (``wait_seq == req_seq`` and the grant was made for
-    an older request).  Both sides write, flush, fence, then read the other's
+    marks the grant REVOKING, fences, and only then reads h's request line:
+    h is outside when ``req_seq == done_seq``, or when h waits for a fresh
+    grant (``wait_seq == req_seq`` and the grant was made for an older
+    request).  Both sides write, flush, fence, then read the other's
     line, so at least one sees the other (Dekker).  Grants rotate round-robin
     among waiting nodes.  Each candidate manager node writes only its own
     grant lines; the manager line names the current manager and its epoch and

@@ -1,7 +1,7 @@
 """asv: the prefix index (`tract bench index`): per batch of 64 chained
 keys at 70% load, lookup + pin + validate + unpin, lookup alone,
-reserve + publish, and the eviction that keeps the load at 70%, next to the store + flush + fence round trip they are
-judged against."""
+reserve + publish, and the eviction that keeps the load at 70%, next to
+the store + flush + fence round trip they are judged against."""
 
 import numpy as np
 
