@@ -863,3 +863,49 @@ def test_a_dropped_reference_to_a_block_reclaimed_meanwhile_frees_nothing(pool_p
             pool.free(offset)  # a plain free of a free block still fails loudly
         assert allocator.free_of(kept, *allocator.payload_owners([kept])) is True
         assert allocator.heap.holder(kept) == 0
+
+
+
+def _free_each(path, offsets, done):
+    """A process of node 0 that frees blocks of node 1's slabs (pushes)."""
+    with Pool.open(path, 0) as pool:
+        for offset in offsets:
+            pool.free(offset, timeout=30)
+    done.put([])
+
+
+def _drain_until(path, stop, done):
+    """A process of node 1 that drains its rings in a loop until ``stop``."""
+    with Pool.open(path, 1) as pool:
+        while not stop.is_set():
+            pool.allocator.drain()
+        done.put(list(pool.allocator.rejected))
+
+
+@pytest.mark.multiprocess
+def test_a_nodes_processes_share_its_free_rings_one_at_a_time(pool_path):
+    """Two processes of node 0 free blocks of node 1's slabs while three
+    processes of node 1 (and their heartbeats) drain: every block comes back
+    exactly once (R2: one writer at a time for each end of a ring).  A block
+    drained twice is refused as already free; a push lost leaves it used."""
+    _create(pool_path, size=32 << 20, lease_timeout=2.0)
+    context = multiprocessing.get_context("spawn")
+    with Pool.open(pool_path, 2, manager=True), Pool.open(pool_path, 1) as owner:
+        offsets = [owner.alloc(64) for _ in range(1500)]
+        stop, done = context.Event(), context.Queue()
+        workers = [context.Process(target=_free_each, args=(pool_path, offsets[i::2], done))
+                   for i in range(2)]
+        workers += [context.Process(target=_drain_until, args=(pool_path, stop, done))
+                    for _ in range(2)]
+        for worker in workers:
+            worker.start()
+        deadline = time.monotonic() + 120
+        while any(used for _, _, used in owner.allocator.heap.slabs()):
+            owner.allocator.drain()
+            assert time.monotonic() < deadline, "blocks freed by node 0 never came back"
+        stop.set()
+        rejected = [text for _ in workers for text in done.get(timeout=60)]
+        for worker in workers:
+            worker.join(30)
+            assert worker.exitcode == 0
+        assert rejected + owner.allocator.rejected == []

@@ -43,7 +43,12 @@ A block of another node's slab is freed through a *remote-free ring* from the
 freeing node to the slab's node (one writer per line: the sender writes the
 slots and its head, the receiver its tail), drained by the receiver on its
 next slow path and from its heartbeat thread.  A node that is gone drains
-nothing: its slabs return with its chunks.
+nothing: its slabs return with its chunks.  A node is several processes, each
+with a heartbeat thread, so each end of a ring has one writer only because a
+node's ring steps take turns (`RingTurn`: a node-local mutex): two drainers
+would free a block twice, two senders fill one slot.  A drainer that dies in
+its turn after moving the tail leaks what it had not freed yet (until the
+blocks' processes are gone), never frees a block twice.
 
 Rules relied on (DESIGN.md): R2, R3, R4 as above; R5 — cursor, owner records
 and ring entries are range-checked, a bad one is a `CorruptionError` naming
@@ -53,9 +58,11 @@ dead, and the lock's epoch is checked before any allocation is published.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
+import threading
 import struct
 import typing
 
@@ -70,7 +77,7 @@ from tract.lease import ALIVE
 from tract.lines import LINE
 from tract import _failpoints as faults
 
-__all__ = ["AllocLayout", "Allocator", "Finding", "FreeRing", "KINDS", "Reference"]
+__all__ = ["AllocLayout", "Allocator", "Finding", "FreeRing", "KINDS", "Reference", "RingTurn"]
 
 OWNER_BYTES = 32
 _RECORD = struct.Struct("<4Q")  # owner word (node + 1 | kind << 16 | pid << 32), epoch, run
@@ -191,6 +198,38 @@ class FreeRing:
         return offsets
 
 
+class RingTurn:
+    """One process of a node at a time at the node's ends of its free rings
+    (R2): the node-local ``mutex`` (a `LocalMutex`), or, for a node's only
+    process (no node-local file), a lock between its threads."""
+
+    def __init__(self, mutex=None):
+        self.mutex = mutex
+        self._thread_lock = threading.Lock() if mutex is None else None
+
+    @contextlib.contextmanager
+    def taken(self, timeout: float | None):
+        """Hold the turn; `TimeoutError` after ``timeout`` seconds (0: only
+        if it is free now)."""
+        if self.mutex is None:
+            if not self._thread_lock.acquire(timeout=-1 if timeout is None else timeout):
+                raise TimeoutError("the free rings' turn stayed taken")
+            try:
+                yield
+            finally:
+                self._thread_lock.release()
+            return
+        died = self.mutex.try_acquire() if timeout == 0 else self.mutex.acquire(timeout)
+        if died is None:
+            raise TimeoutError("the free rings' turn is taken")
+        if died:  # the holder died: the rings' counters are whole (see the module docstring)
+            self.mutex.consistent()
+        try:
+            yield
+        finally:
+            self.mutex.release()
+
+
 class Owner(typing.NamedTuple):
     """One chunk's owner record."""
 
@@ -229,8 +268,9 @@ class Finding(typing.NamedTuple):
 class Allocator:
     """One node's allocator over a pool (`Pool.alloc` / `Pool.free`)."""
 
-    def __init__(self, pool, layout: AllocLayout, heap=None):
+    def __init__(self, pool, layout: AllocLayout, heap=None, rings: RingTurn | None = None):
         self.pool = pool
+        self.rings = rings or RingTurn()  # this node's turn at its free rings
         self.region = pool.region
         self.layout = layout
         self.heap = heap  # the node's slab heap, or None (then every object takes chunks)
@@ -937,29 +977,46 @@ class Allocator:
     def _free_remote(self, owner: Owner, offset: int) -> None:
         ring = FreeRing(self.region, self.layout, self.node, owner.node)
         backoff = self.pool.space.backoff()
-        start = self.pool.clock.now()
-        while not ring.push(offset, owner.epoch):
+        start, lease = self.pool.clock.now(), self.pool.header.lease_timeout
+        while True:
+            try:  # the turn is taken per try: a wait holding it could stall the node's drains
+                with self.rings.taken(lease):
+                    if ring.push(offset, owner.epoch):
+                        return
+            except TimeoutError:
+                pass
             if self.dead_owner(owner, False):
                 return  # its slabs go back with its chunks
-            if self.pool.clock.now() - start > 4 * self.pool.header.lease_timeout:
+            if self.pool.clock.now() - start > 4 * lease:
                 raise PoolFull(f"free of offset {offset}: node {owner.node}'s free ring from "
-                               f"node {self.node} stayed full for "
-                               f"{4 * self.pool.header.lease_timeout} s")
+                               f"node {self.node} stayed full for {4 * lease} s")
             backoff.wait()
 
-    def drain(self) -> int:
-        """Free the blocks other nodes queued for this node's slabs.  An
-        entry that is no block of them (R5: a double free, a bad offset) is
-        set aside in ``rejected`` with the reason, never freed and never
-        raised: the heartbeat thread drains too, and must keep beating."""
+    def drain(self, timeout: float | None = 0) -> int:
+        """Free the blocks other nodes queued for this node's slabs; 0 when
+        another process of the node is at it and stays so ``timeout``
+        seconds (0: is at it now).  An entry that is no block of them (R5: a
+        double free, a bad offset) is set aside in ``rejected`` with the
+        reason, never freed and never raised: the heartbeat thread drains
+        too, and must keep beating."""
         if self.heap is None:
             return 0
+        taken = []
+        try:
+            with self.rings.taken(timeout):  # the blocks are freed after the turn
+                for sender in range(self.layout.max_nodes):
+                    if sender == self.node:
+                        continue
+                    ring = FreeRing(self.region, self.layout, sender, self.node)
+                    try:
+                        taken.append((sender, ring.drain(self.pool.epoch)))
+                    except CorruptionError as error:
+                        self.rejected.append(str(error))
+        except TimeoutError:
+            return 0
         drained = 0
-        for sender in range(self.layout.max_nodes):
-            if sender == self.node:
-                continue
-            for offset in FreeRing(self.region, self.layout, sender,
-                                   self.node).drain(self.pool.epoch):
+        for sender, offsets in taken:
+            for offset in offsets:
                 try:
                     if self.heap.free(offset) == NOT_MINE:
                         raise ValueError(f"offset {offset} is in no slab of node {self.node}")

@@ -17,9 +17,9 @@ header that disagrees):
              stats       per node two lines of counters (`tract.stats`)
              heap        chunk-aligned; ``nchunks`` chunks of ``chunk_size``
 
-Node-local state (tier-1 mutexes, cohort words, the node's live processes and
-its slab heap) lives in one file per node in /dev/shm (`NodeLocal`), never in
-the pool.
+Node-local state (tier-1 mutexes, cohort words, the free rings' turn, the
+node's live processes and its slab heap) lives in one file per node in
+/dev/shm (`NodeLocal`), never in the pool.
 
 Rules relied on (DESIGN.md): R1 — areas are named by offset; R3 — the
 header is written, flushed and fenced before anyone can open the pool (magic
@@ -42,7 +42,7 @@ from tract import platform
 from tract._native._localmutex import LocalMutex
 from tract._native._lockfast import ManagerFastPath
 from tract._native._nodeheap import NodeHeap, heap_bytes
-from tract.alloc import OFFSET_BITS, AllocLayout, Allocator, pid_alive
+from tract.alloc import OFFSET_BITS, AllocLayout, Allocator, RingTurn, pid_alive
 from tract.errors import ConfigError, CorruptionError, TractError
 from tract.lease import ALIVE, Clock, NodeTable
 from tract.lines import LINE
@@ -297,7 +297,8 @@ class Pool:
         self._names = {name: index for index, name in header.lock_names}
         self._locks: dict[str, Lock] = {}
         self._fast_paths: dict[int, ManagerFastPath] = {}
-        self.allocator = Allocator(self, self.alloc_layout, heap)
+        self.allocator = Allocator(self, self.alloc_layout, heap,
+                                   self._local.rings() if self._local is not None else None)
         if heap is not None:  # a heap kept from a running incarnation may list lost slabs
             self.allocator.forget_lost_slabs()
         self.objects = ObjectStore(self, header.objects, header.max_objects,
@@ -582,7 +583,7 @@ class Pool:
         if not self.space.liveness.live(self.node):
             return
         try:
-            self.allocator.drain()
+            self.allocator.drain(self.header.lease_timeout)
             self.allocator.trim(self.header.lease_timeout)
         except TractError:
             pass  # left to the allocator's reclaim, once this node has left
@@ -621,15 +622,17 @@ class NodeLocal:
 
     @staticmethod
     def shape(header: Header) -> tuple[int, int, int]:
-        """(members offset, heap offset, file size): one slot per lock and
-        one for the manager, the member pids, the slab heap."""
-        members = _round_up((header.max_locks + 1) * SLOT_BYTES, 4096)
+        """(members offset, heap offset, file size): one slot per lock, one
+        for the manager and one for the free rings' turn (`RingTurn`), the
+        member pids, the slab heap."""
+        members = _round_up((header.max_locks + 2) * SLOT_BYTES, 4096)
         heap = members + MEMBERS * 8
         return members, heap, heap + heap_bytes(header.nchunks, header.chunk_size,
                                                 SLAB_MIN_BLOCK)
 
     def __init__(self, header: Header, node: int):
         self.path = self.path_of(header, node)
+        self.max_locks = header.max_locks
         self.members, self.heap_offset, size = self.shape(header)
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
@@ -639,7 +642,7 @@ class NodeLocal:
                 os.ftruncate(self._fd, size)
             self.region = open_region(self.path, coherence="hardware", size=size)
             if fresh:
-                for index in range(header.max_locks + 1):
+                for index in range(header.max_locks + 2):
                     LocalMutex(self.region, index * SLOT_BYTES).initialize()
                 LocalMutex(self.region, self.heap_offset).initialize()
             self.heap = NodeHeap(self.region, LocalMutex(self.region, self.heap_offset),
@@ -688,6 +691,10 @@ class NodeLocal:
 
     def mutex(self, index: int) -> LocalMutex:
         return LocalMutex(self.region, index * SLOT_BYTES)
+
+    def rings(self) -> RingTurn:
+        """The node's turn at its free rings (the slot after the manager's)."""
+        return RingTurn(self.mutex(self.max_locks + 1))
 
     def fast_path(self, index: int, pool: Pool) -> ManagerFastPath:
         """The native manager-mode fast path of lock ``index`` for ``pool``'s node."""
