@@ -62,3 +62,110 @@ def test_a_connector_that_cannot_be_made_closes_its_pool_handle(pool_path, monke
     with pytest.raises(RuntimeError, match="no connector"):
         common.open_connector(opts, layout)
     assert (pool_path, 1) not in common._pools
+
+
+# ------------------------------------------------- the transfer thread
+
+def _ended(thread, count, timeout=30.0):
+    """The next ``count`` jobs to end (waits on the thread; no sleep-polling
+    of timing: each job ends when its gate opens)."""
+    import time
+
+    ended, deadline = [], time.monotonic() + timeout
+    while len(ended) < count:
+        ended += thread.finished()
+        assert time.monotonic() < deadline, f"only {len(ended)} of {count} jobs ended"
+        time.sleep(0.001)
+    return ended
+
+
+def test_the_transfer_thread_runs_jobs_in_order_and_reports_each_once():
+    import threading
+
+    from tract.integrations.transfers import DONE, FAILED, TransferThread
+
+    thread, order = TransferThread(), []
+    gate = threading.Event()
+
+    def job(name, fail=False):
+        def run():
+            gate.wait(30)
+            order.append(name)
+            if fail:
+                raise RuntimeError(f"{name} broke")
+            return name
+        return run
+
+    jobs = [thread.submit("save", f"r{i}", job(f"j{i}", fail=i == 1), timeout=30) for i in range(3)]
+    assert thread.busy()
+    gate.set()
+    ended = _ended(thread, 3)
+    assert order == ["j0", "j1", "j2"] and ended == jobs
+    assert [(j.state, j.result) for j in ended] == [(DONE, "j0"), (FAILED, None), (DONE, "j2")]
+    assert "j1 broke" in str(ended[1].error)
+    assert thread.finished() == [] and not thread.busy()
+    assert thread.close(5)
+    with pytest.raises(RuntimeError, match="closed"):
+        thread.submit("load", "r9", lambda: None, timeout=1)
+    with pytest.raises(ValueError, match="timeout must be positive"):
+        TransferThread().submit("load", "r", lambda: None, timeout=0)
+
+
+def test_a_job_past_its_deadline_is_failed_unrun_and_a_cancelled_one_never_runs():
+    import threading
+
+    from tract.integrations.transfers import CANCELLED, DONE, FAILED, TransferThread
+
+    now = [0.0]
+    thread = TransferThread(clock=lambda: now[0])
+    gate, running, ran = threading.Event(), threading.Event(), []
+
+    def blocker():
+        running.set()
+        gate.wait(30)
+        ran.append("blocker")
+
+    first = thread.submit("save", "a", blocker, timeout=10)
+    assert running.wait(30)
+    late = thread.submit("load", "b", lambda: ran.append("late"), timeout=5)
+    kept = thread.submit("load", "c", lambda: ran.append("kept"), timeout=50)
+    dropped = thread.submit("save", "c", lambda: ran.append("dropped"), timeout=50)
+    assert thread.cancel(["c"], kinds=("save",), wait=False) == 1
+    now[0] = 20.0  # b's deadline passes while the blocker runs
+    gate.set()
+    ended = _ended(thread, 4)
+    assert ran == ["blocker", "kept"]
+    states = {id(job): job.state for job in ended}
+    assert states == {id(first): DONE, id(late): FAILED, id(kept): DONE, id(dropped): CANCELLED}
+    assert isinstance(late.error, TimeoutError) and "deadline" in str(late.error)
+    assert thread.close(5)
+
+
+def test_cancel_waits_for_a_running_job_of_the_request_and_close_cancels_what_is_left():
+    import threading
+
+    from tract.integrations.transfers import CANCELLED, TransferThread
+
+    thread = TransferThread()
+    gate, running = threading.Event(), threading.Event()
+
+    def blocker():
+        running.set()
+        return gate.wait(30)
+
+    thread.submit("save", "p", blocker, timeout=30)
+    queued = thread.submit("save", "p", lambda: None, timeout=30)
+    assert running.wait(30)
+    waiter = threading.Thread(target=lambda: thread.cancel(["p"]))
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive(), "cancel returned while the request's job still ran"
+    gate.set()
+    waiter.join(30)
+    assert not waiter.is_alive() and queued.state == CANCELLED
+    stuck = threading.Event()
+    thread.submit("save", "q", lambda: stuck.wait(30), timeout=30)
+    left = thread.submit("load", "r", lambda: None, timeout=30)
+    assert not thread.close(0.2)  # q still runs: r is cancelled, not run
+    assert left.state == CANCELLED
+    stuck.set()

@@ -111,6 +111,11 @@ class Connector:
         #: this process's counts (the pool keeps its node's: `Pool.counters`)
         self.stats = dict.fromkeys([*COUNTERS, "expired"], 0)
 
+    def not_stored(self, blocks: int) -> None:
+        """Count ``blocks`` that an engine asked to store and that were not
+        (a queued save cancelled or timed out: `stats["not_stored"]`)."""
+        self._count(not_stored=blocks)
+
     def _count(self, **deltas: int) -> None:
         for name, delta in deltas.items():
             self.stats[name] += delta

@@ -6,10 +6,13 @@ batches of a JSON spec through `vllm.LLM` and writes what came out.
 SPEC: ``model`` (a local model directory), ``out`` (where the results go),
 ``batches`` (each ``{"prompts": [[token ids]], "max_tokens": n}``, or
 ``"one_by_one": true`` to time each prompt alone), and optionally
-``kv_transfer_config`` (a dict, as vLLM takes it) and ``block_size``.
+``kv_transfer_config`` (a dict, as vLLM takes it), ``block_size`` and
+``num_blocks`` (the KV cache's size in blocks: small, vLLM preempts) with
+``max_model_len`` (which vLLM wants it to hold).
 Writes ``{"batches": [{"seconds", "outputs": [{"tokens", "finish",
-"cached", "params"}], "each_s"}], "layout": ...}``: ``layout`` is the
-worker connector's `tract.transfer.KVLayout` (when it is tract's).
+"cached", "params"}], "each_s"}], "layout": ..., "preemptions": n}``:
+``layout`` is the worker connector's `tract.transfer.KVLayout` and
+``preemptions`` the requests it heard vLLM preempt (when it is tract's).
 """
 
 import dataclasses
@@ -25,13 +28,16 @@ def main(spec_path: str) -> None:
     from vllm.inputs import TokensPrompt
 
     options = dict(model=spec["model"], skip_tokenizer_init=True, dtype="float32",
-                   enforce_eager=True, max_model_len=1024, block_size=spec.get("block_size", 32),
+                   enforce_eager=True, max_model_len=spec.get("max_model_len") or 1024,
+                   block_size=spec.get("block_size", 32),
                    enable_prefix_caching=spec.get("prefix_caching", False), seed=0,
                    max_num_batched_tokens=2048, disable_log_stats=False)
+    if spec.get("num_blocks"):  # a KV cache this small makes vLLM preempt
+        options["num_gpu_blocks_override"] = spec["num_blocks"]
     if spec.get("kv_transfer_config"):
         options["kv_transfer_config"] = spec["kv_transfer_config"]
     llm = LLM(**options)
-    report = {"batches": [], "layout": None}
+    report = {"batches": [], "layout": None, "preemptions": None}
 
     def outputs(results):
         return [{"tokens": list(r.outputs[0].token_ids), "finish": r.outputs[0].finish_reason,
@@ -56,9 +62,11 @@ def main(spec_path: str) -> None:
     from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
     if has_kv_transfer_group():
-        layout = getattr(get_kv_transfer_group(), "layout", None)
+        group = get_kv_transfer_group()
+        layout = getattr(group, "layout", None)
         if layout is not None:
             report["layout"] = dataclasses.asdict(layout)
+        report["preemptions"] = getattr(group, "preemptions", None)
     llm.llm_engine.engine_core.shutdown()  # the connectors' shutdown: pool counters published
     with open(spec["out"], "w") as sink:
         json.dump(report, sink)

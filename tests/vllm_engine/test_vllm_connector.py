@@ -42,6 +42,8 @@ LEASE = 1.0
 #: prompt lengths: none a whole number of blocks, so every full block is loadable
 LENGTHS = (100, 161, 230, 75)
 DECODE = 12
+#: tokens that take every prompt across a block boundary (so a short KV cache preempts)
+LONG_DECODE = 40
 
 
 @pytest.fixture(scope="module")
@@ -89,13 +91,15 @@ def _tract(pool, node, role="kv_both", **extra):
             "kv_connector_extra_config": {"pool": pool, "node": node, **extra}}
 
 
-def _engine(workdir, name, model, batches, kv=None, env=None, timeout=600, check=True):
+def _engine(workdir, name, model, batches, kv=None, env=None, timeout=600, check=True,
+            num_blocks=None, max_model_len=None):
     """Run one vLLM instance over ``batches``; its report (None when the
     process died and ``check`` is false)."""
     out = workdir / f"{name}.json"
     spec = workdir / f"{name}.spec.json"
     spec.write_text(json.dumps({"model": model, "out": str(out), "batches": batches,
-                                "kv_transfer_config": kv, "block_size": BLOCK}))
+                                "kv_transfer_config": kv, "block_size": BLOCK,
+                                "num_blocks": num_blocks, "max_model_len": max_model_len}))
     done = subprocess.run([sys.executable, ENGINE, str(spec)], env=_env(workdir, **(env or {})),
                           capture_output=True, text=True, timeout=timeout)
     if done.returncode != 0:
@@ -114,9 +118,11 @@ def _decode(prompts, max_tokens=DECODE):
 def reference(workdir, model, prompts):
     """A plain instance: no connector, no prefix cache."""
     extended = prompts[0] + prompts[1][:40]
-    report = _engine(workdir, "reference", model, _decode(prompts) + _decode([extended]))
+    report = _engine(workdir, "reference", model, _decode(prompts) + _decode([extended]) +
+                     _decode(prompts, LONG_DECODE))
     return {"tokens": [o["tokens"] for o in report["batches"][0]["outputs"]],
-            "extended": (extended, report["batches"][1]["outputs"][0]["tokens"])}
+            "extended": (extended, report["batches"][1]["outputs"][0]["tokens"]),
+            "long": [o["tokens"] for o in report["batches"][2]["outputs"]]}
 
 
 def _pool(workdir, name):
@@ -151,13 +157,18 @@ def _store(workdir, name, model, prompts, pool_path, node, env=None, check=True)
 REPORT = {}
 
 
+@pytest.mark.parametrize("asynchronous", [True, False], ids=["async", "sync"])
 def test_pd_handoff_is_token_exact_with_every_full_block_external(workdir, model, prompts,
-                                                                  reference, pool_path):
-    producer = _store(workdir, "producer", model, prompts, pool_path, 1)
+                                                                  reference, pool_path,
+                                                                  asynchronous):
+    """Both paths: loads and stores on the workers' transfer threads (vLLM's
+    asynchronous loads and delayed frees), and inside the step."""
+    producer = _engine(workdir, "producer", model, _decode(prompts, 1),
+                       kv=_tract(pool_path, 1, "kv_producer", **{"async": asynchronous}))
     stored = [o["params"]["tract_stored_blocks"] for o in producer["batches"][0]["outputs"]]
     assert stored == [len(p) // BLOCK for p in prompts]
     consumer = _engine(workdir, "consumer", model, _decode(prompts) + _decode(prompts),
-                       kv=_tract(pool_path, 2, "kv_consumer"))
+                       kv=_tract(pool_path, 2, "kv_consumer", **{"async": asynchronous}))
     outputs = consumer["batches"][0]["outputs"]
     assert [o["tokens"] for o in outputs] == reference["tokens"]
     for prompt, output in zip(prompts, outputs):
@@ -218,6 +229,28 @@ def test_kv_both_instances_reuse_each_others_prefixes(workdir, model, prompts, r
     # every block of P that is whole (P's own last block is whole in P + suffix only
     # where P's length is a multiple of the block size: it is not)
     assert output["params"]["tract_external_tokens"] == len(prompts[0]) // BLOCK * BLOCK
+
+
+def test_preempted_requests_never_store_a_reused_block(workdir, model, prompts, reference,
+                                                      pool_path):
+    """A producer whose KV cache holds one block more than the four prompts:
+    as they decode, vLLM preempts and hands their blocks to others while
+    their stores are queued.  Its outputs stay token-exact, and every block
+    in the pool is the right one: a consumer that loads them all is
+    token-exact (a store that copied a reused block would checksum the
+    wrong bytes, and the consumer would load them)."""
+    blocks = sum(len(prompt) // BLOCK + 1 for prompt in prompts) + 1
+    producer = _engine(workdir, "producer-preempted", model, _decode(prompts, LONG_DECODE),
+                       kv=_tract(pool_path, 1, "kv_producer"), num_blocks=blocks,
+                       max_model_len=max(map(len, prompts)) + LONG_DECODE)
+    assert producer["preemptions"] > 0, "vLLM preempted nothing: the test proves nothing"
+    assert [o["tokens"] for o in producer["batches"][0]["outputs"]] == reference["long"]
+    consumer = _engine(workdir, "consumer-preempted", model, _decode(prompts),
+                       kv=_tract(pool_path, 2, "kv_consumer"))
+    outputs = consumer["batches"][0]["outputs"]
+    assert [o["tokens"] for o in outputs] == reference["tokens"]
+    assert sum(o["params"]["tract_external_tokens"] for o in outputs) > 0
+    assert _counters(pool_path)[2]["checksum_failures"] == 0
 
 
 def test_a_producer_killed_mid_store_costs_the_consumer_only_recomputation(
@@ -310,3 +343,32 @@ def test_consumer_ttft_through_tract_against_no_connector_and_example_connector(
         with open(os.environ["TRACT_VLLM_REPORT"], "w") as sink:
             json.dump(report, sink, indent=2)
     assert all(value > 0 for value in figures.values())
+
+
+def test_metrics_reach_vllms_prometheus_exposition_and_stats_aggregate():
+    """vLLM's own Prometheus glue (`KVConnectorProm`, as its API server
+    builds it) loads tract's connector class and exposes ``vllm:tract_*``;
+    two workers' stats aggregate (counts summed, job times listed)."""
+    import types
+
+    from prometheus_client import REGISTRY, generate_latest
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
+
+    from tract.integrations.vllm import TractConnector
+
+    config = types.SimpleNamespace(kv_transfer_config=KVTransferConfig(
+        kv_connector="TractConnector", kv_connector_module_path="tract.integrations.vllm",
+        kv_role="kv_both"))
+    prom = KVConnectorProm(config, ["model_name", "engine"], {0: ["tiny", "0"]})
+    first = TractConnector.build_kv_connector_stats({"hit_blocks": 3, "load_seconds": [0.002]})
+    second = TractConnector.build_kv_connector_stats({"hit_blocks": 4, "load_seconds": [0.004],
+                                                      "not_stored": 1})
+    data = first.aggregate(second).data
+    assert data["hit_blocks"] == 7 and data["load_seconds"] == [0.002, 0.004]
+    assert first.reduce()["load_mean_ms"] == 3.0 and not first.is_empty()
+    prom.observe(data, 0)
+    text = generate_latest(REGISTRY).decode()
+    assert 'vllm:tract_hit_blocks_total{engine="0",model_name="tiny"} 7.0' in text
+    assert 'vllm:tract_not_stored_total{engine="0",model_name="tiny"} 1.0' in text
+    assert 'vllm:tract_load_seconds_count{engine="0",model_name="tiny"} 2.0' in text

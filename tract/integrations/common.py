@@ -13,7 +13,7 @@ from collections.abc import Mapping
 
 from tract.errors import ConfigError
 
-__all__ = ["Options", "close_pool", "open_connector", "open_pool", "options"]
+__all__ = ["Options", "close_pool", "flag", "open_connector", "open_pool", "options"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,7 +28,9 @@ class Options:
     timeout: float = 30.0  # seconds a pool lock may be waited for
 
 
-def _flag(value, name: str, where: str) -> bool:
+def flag(value, name: str, where: str) -> bool:
+    """``value`` as a bool (true or false, as JSON or a string; 1 or 0 as a
+    string); a `ConfigError` naming ``name`` in ``where`` otherwise."""
     if isinstance(value, bool):
         return value
     if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
@@ -69,8 +71,8 @@ def options(config: Mapping, where: str, prefix: str = "") -> Options:
         raise ConfigError(f"{where}: {prefix}timeout must be positive, got {timeout}")
     salt = ours.get("salt")
     return Options(pool=str(ours["pool"]), node=node,
-                   manager=_flag(ours.get("manager", False), prefix + "manager", where),
-                   checksum=_flag(ours.get("checksum", True), prefix + "checksum", where),
+                   manager=flag(ours.get("manager", False), prefix + "manager", where),
+                   checksum=flag(ours.get("checksum", True), prefix + "checksum", where),
                    salt=None if salt is None else str(salt), timeout=timeout)
 
 

@@ -15,7 +15,9 @@ lock-manager thread here, active or standby; default false), ``checksum``
 (verify every block loaded; default true), ``salt`` (a tenant's salt:
 instances share blocks only under the same salt), ``model_id`` (the name
 that must match for two instances to share blocks; default the served
-model name), ``timeout`` (seconds a pool lock may be waited for; default 30).
+model name), ``timeout`` (seconds a pool lock may be waited for, and a queued
+transfer may wait to start; default 30), ``async`` (loads and stores on the
+worker's transfer thread; default true; false: inside the step).
 
 What the adapter does (the work is `tract.connector.Connector`'s; this
 module only translates):
@@ -31,10 +33,25 @@ module only translates):
   computes at least one); `update_state_after_alloc` queues the loads;
   `build_connector_meta` hands the worker those loads and the stores of
   every block that the step completes (producer and both roles).
-- **Worker side**: loads run in `start_load_kv`, before the forward pass
-  (sync: on the CPU backend the copy is the CPU's own work, and with one
-  range per block it runs at memory speed); stores run in `wait_for_save`,
-  after the step wrote every layer.  A block moves as opaque bytes, one
+- **Asynchronous** (``async``, the default): `get_num_new_matched_tokens`
+  says the load is asynchronous, so vLLM parks the request
+  (``WAITING_FOR_REMOTE_KVS``) and steps on; the worker queues the load on
+  its transfer thread (`tract.integrations.transfers`) and reports it in
+  ``finished_recving`` when it ended, its failed blocks as load errors in
+  the same step.  Stores are queued after the step that completed their
+  blocks; a finished request with queued stores keeps its blocks
+  (`request_finished` returns True) until the worker reports it in
+  ``finished_sending``, once they ended.  A transfer not started within
+  ``timeout`` fails (a load error; a block not stored), and a running one is
+  bounded by the pool's timeouts, so nothing waits for ever.  A preempted
+  request's queued stores are cancelled in `handle_preemptions`, and a
+  running one is waited for, before the step may reuse its blocks; a
+  finished request's queued loads are cancelled.
+- **Synchronous** (``"async": false``): loads run in `start_load_kv`,
+  before the forward pass (on the CPU backend the copy is the CPU's own
+  work, and with one range per block it runs at memory speed); stores run
+  in `wait_for_save`, after the step wrote every layer.
+- **Blocks**: a block moves as opaque bytes, one
   pool range, gathered from and scattered to each layer's tensor (the CPU
   backend's only layout, ``LBHNC``, keeps a block's bytes per layer; on
   other platforms the connector asks for ``BLHNC``, all layers of a block
@@ -53,9 +70,16 @@ module only translates):
   forgets its state and reports what tract did for it in
   ``kv_transfer_params`` (``tract_external_tokens``,
   ``tract_stored_blocks``); `shutdown` closes the connector and the pool.
+- **Hybrid KV cache manager**: the connector is `SupportsHMA`
+  (`request_finished_all_groups`), so vLLM keeps that manager on.  A model
+  with one KV cache group (every non-hybrid model) is served as above; for
+  a hybrid model (several groups) tract stands aside, with a warning: it
+  loads and stores nothing, rather than fill one group of a block.
 - **Metrics**: `get_kv_connector_stats` reports the connector's counts per
   step (`TractConnectorStats`: hits, misses, stored and not stored
-  blocks, bytes, checksum failures); the pool keeps every node's counters too
+  blocks, bytes, checksum failures, and each asynchronous job's time);
+  `build_prom_metrics` puts them on vLLM's ``/metrics`` as ``vllm:tract_*``
+  (`TractPromMetrics`); the pool keeps every node's counters too
   (`tract stat`).
 """
 
@@ -67,15 +91,18 @@ from typing import Any
 
 import numpy as np
 import torch
+from vllm.distributed.kv_transfer.kv_connector.v1 import base as _base
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1 import metrics as _metrics
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from tract.errors import ConfigError
-from tract.integrations.common import close_pool, open_connector, options
+from tract.integrations.common import close_pool, flag, open_connector, options
+from tract.integrations.transfers import CANCELLED, DONE, TransferThread
 from tract.transfer import KVLayout
 
 # tract.connector and tract.pool (Numba, LLVM) are imported when a connector
@@ -83,13 +110,20 @@ from tract.transfer import KVLayout
 # CPU worker's start-up scan of sys.modules (register_triton_kernel_overrides)
 # fails on llvmlite's library wrapper when llvmlite is already loaded.
 
-__all__ = ["TractConnector", "TractConnectorMetadata", "TractConnectorStats", "kv_layout"]
+__all__ = ["TractConnector", "TractConnectorMetadata", "TractConnectorStats", "TractPromMetrics",
+           "kv_layout"]
 
 log = logging.getLogger(__name__)
 
 #: the connector counts reported per step (`Connector.stats` keys)
 STAT_NAMES = ("lookups", "hit_blocks", "miss_blocks", "stored_blocks", "not_stored",
               "read_bytes", "written_bytes", "checksum_failures")
+#: the asynchronous jobs' times reported per step (seconds, from submission to the end)
+LATENCY_NAMES = ("load_seconds", "save_seconds")
+#: vLLM's base classes across versions: SupportsHMA (0.32 and later) and the
+#: transfer results with failed receives (0.33)
+SupportsHMA = getattr(_base, "SupportsHMA", object)
+TransferResults = getattr(_base, "KVConnectorTransferResults", None)
 
 
 # ------------------------------------------------------------------ layout
@@ -129,57 +163,128 @@ def kv_layout(vllm_config, tp_rank: int = 0) -> KVLayout:
 @dataclasses.dataclass
 class BlockJob:
     """Blocks of one request to load or store: vLLM block ids and their
-    tract keys, row for row."""
+    tract keys, row for row; ``asynchronous``: on the worker's transfer
+    thread, not inside the step."""
 
     request_id: str
     block_ids: list[int]
     keys: np.ndarray  # (n, 2) uint64
+    asynchronous: bool = False
 
 
 @dataclasses.dataclass
 class TractConnectorMetadata(KVConnectorMetadata):
-    """What one step's worker does: loads before the forward pass, stores
-    after it."""
+    """What one step's worker does: loads before the forward pass (or
+    queued), stores after it (or queued); ``preempted``: requests whose
+    blocks vLLM freed this step, whose queued stores must not run."""
 
     loads: list[BlockJob] = dataclasses.field(default_factory=list)
     stores: list[BlockJob] = dataclasses.field(default_factory=list)
+    preempted: set[str] = dataclasses.field(default_factory=set)
 
 
 @dataclasses.dataclass
 class TractConnectorStats(KVConnectorStats):
-    """The connector's counts over an interval (sums)."""
+    """The connector's counts over an interval (sums), and its jobs'
+    durations (lists of seconds)."""
 
     def __post_init__(self):
         if not self.data:
             self.reset()
 
     def reset(self):
-        self.data = dict.fromkeys(STAT_NAMES, 0)
+        self.data = {**dict.fromkeys(STAT_NAMES, 0), **{name: [] for name in LATENCY_NAMES}}
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for name, value in other.data.items():
-            self.data[name] = self.data.get(name, 0) + value
+            if isinstance(value, list):
+                self.data[name] = list(self.data.get(name, ())) + value
+            else:
+                self.data[name] = self.data.get(name, 0) + value
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        return dict(self.data)
+        reduced = {}
+        for name, value in self.data.items():
+            if isinstance(value, list):
+                reduced[name.replace("seconds", "count")] = len(value)
+                reduced[name.replace("seconds", "mean_ms")] = \
+                    round(1e3 * sum(value) / len(value), 3) if value else 0.0
+            else:
+                reduced[name] = value
+        return reduced
 
     def is_empty(self) -> bool:
         return not any(self.data.values())
 
 
+#: what each count means, for ``/metrics``
+STAT_HELP = {
+    "lookups": "prefix lookups in the rack's pool",
+    "hit_blocks": "blocks loaded from the pool",
+    "miss_blocks": "blocks asked for and not loaded (absent, evicted, corrupt or timed out)",
+    "stored_blocks": "blocks stored into the pool",
+    "not_stored": "blocks the pool had no room for, or whose save failed or was cancelled",
+    "read_bytes": "bytes loaded from the pool",
+    "written_bytes": "bytes stored into the pool",
+    "checksum_failures": "blocks whose checksum failed on load (each one a miss)",
+}
+#: histogram buckets of a load's or save's time, in seconds
+LATENCY_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25,
+                   0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class TractPromMetrics(getattr(_metrics, "KVConnectorPromMetrics", object)):
+    """tract's connector on vLLM's ``/metrics``: a counter
+    ``vllm:tract_<count>`` per `STAT_NAMES` entry and a histogram
+    ``vllm:tract_<load|save>_seconds`` of the asynchronous jobs' times
+    (queueing included), one child per engine."""
+
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self.counters = {name: self._per_engine(self._counter_cls(
+            name=f"vllm:tract_{name}", documentation=f"tract: {text}",
+            labelnames=labelnames)) for name, text in STAT_HELP.items()}
+        self.histograms = {name: self._per_engine(self._histogram_cls(
+            name=f"vllm:tract_{name}",
+            documentation=f"tract: seconds a {name.split('_')[0]} took, queueing included",
+            buckets=LATENCY_BUCKETS, labelnames=labelnames)) for name in LATENCY_NAMES}
+
+    def _per_engine(self, metric):
+        return {engine: metric.labels(*values)
+                for engine, values in self.per_engine_labelvalues.items()}
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
+        for name, counter in self.counters.items():
+            value = transfer_stats_data.get(name, 0)
+            if value:
+                counter[engine_idx].inc(value)
+        for name, histogram in self.histograms.items():
+            for seconds in transfer_stats_data.get(name, ()):
+                histogram[engine_idx].observe(seconds)
+
+
 # --------------------------------------------------------------- connector
 
-class TractConnector(KVConnectorBase_V1):
+class TractConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM KV connector v1 over a tract pool (see the module docstring)."""
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
         transfer = vllm_config.kv_transfer_config
         extra = transfer.kv_connector_extra_config or {}
-        self.options = options({k: v for k, v in extra.items() if k != "model_id"},
-                               "TractConnector's kv_connector_extra_config")
+        where = "TractConnector's kv_connector_extra_config"
+        self.options = options({k: v for k, v in extra.items() if k not in ("model_id", "async")},
+                               where)
+        #: loads and stores on the worker's transfer thread (default), or inside the step
+        self.asynchronous = flag(extra.get("async", True), "async", where)
         self._produces, self._consumes = transfer.is_kv_producer, transfer.is_kv_consumer
+        groups = len(getattr(kv_cache_config, "kv_cache_groups", None) or ())
+        if groups > 1:  # tract's keys name one group's blocks: it stands aside, never half-loads
+            log.warning("tract: this model has %d KV cache groups (a hybrid model); tract "
+                        "moves a single group's blocks, so it neither loads nor stores here",
+                        groups)
+            self._produces = self._consumes = False
         self.block_size = vllm_config.cache_config.block_size
         tp_rank = 0
         if role == KVConnectorRole.WORKER:
@@ -195,6 +300,7 @@ class TractConnector(KVConnectorBase_V1):
         self._local_hit: dict[str, int] = {}  # tokens vLLM had when it asked us
         self._external: dict[str, int] = {}  # tokens we load
         self._stored: dict[str, int] = {}  # leading blocks queued for storing
+        self._saving: set[str] = set()  # requests with queued asynchronous stores
         self._loads: list[BlockJob] = []
         # worker side
         self._layers: list[torch.Tensor] = []
@@ -202,6 +308,12 @@ class TractConnector(KVConnectorBase_V1):
         self._load_errors: set[int] = set()
         self._full_warned = False  # a full pool is said once at WARNING, then at DEBUG
         self._reported = dict.fromkeys(STAT_NAMES, 0)
+        self._transfers: TransferThread | None = None  # made at the first queued job
+        self._jobs: dict[tuple[str, str], int] = {}  # (kind, request id) -> jobs not ended
+        self._saves_queued: set[str] = set()  # requests with stores queued here, until reported
+        self._owed: set[str] = set()  # finished requests whose stores are still queued
+        self._latencies: dict[str, list[float]] = {name: [] for name in LATENCY_NAMES}
+        self.preemptions = 0  # requests vLLM preempted, as this worker heard
 
     # ------------------------------------------------------------- keys
 
@@ -221,7 +333,7 @@ class TractConnector(KVConnectorBase_V1):
             return 0, False
         hits = self.connector.lookup(self._keys(request, usable)[first:]) // self.block_size
         self._local_hit[request.request_id] = num_computed_tokens
-        return hits * self.block_size, False
+        return hits * self.block_size, self.asynchronous and hits > 0
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         request_id = request.request_id
@@ -232,11 +344,13 @@ class TractConnector(KVConnectorBase_V1):
         count = num_external_tokens // self.block_size
         block_ids = blocks.get_block_ids()[0][first:first + count]
         keys = self._keys(request, first + count)[first:]
-        self._loads.append(BlockJob(request_id, list(block_ids), keys))
+        self._loads.append(BlockJob(request_id, list(block_ids), keys, self.asynchronous))
         self._external[request_id] = self._external.get(request_id, 0) + num_external_tokens
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
-        meta = TractConnectorMetadata(loads=self._loads)
+        meta = TractConnectorMetadata(
+            loads=self._loads,
+            preempted=set(getattr(scheduler_output, "preempted_req_ids", None) or ()))
         self._loads = []
         if not self._produces:
             return meta
@@ -251,18 +365,32 @@ class TractConnector(KVConnectorBase_V1):
                 continue
             block_ids = self._kv_cache_manager.get_block_ids(request_id)[0][start:done]
             meta.stores.append(BlockJob(request_id, list(block_ids),
-                                        self._keys(request, done)[start:]))
+                                        self._keys(request, done)[start:], self.asynchronous))
             self._stored[request_id] = done
+            if self.asynchronous:
+                self._saving.add(request_id)
         return meta
 
     def request_finished(self, request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
+        """Delays the free of a request with queued stores: the worker
+        reports it in ``finished_sending`` once they ended (stored, failed
+        or timed out).  A request still loading is never delayed here: vLLM
+        holds its blocks until the worker reports the load ended."""
         request_id = request.request_id
         self._requests.pop(request_id, None)
         self._local_hit.pop(request_id, None)
+        delay = request_id in self._saving
+        self._saving.discard(request_id)
         params = {"tract_external_tokens": self._external.pop(request_id, 0),
                   "tract_stored_blocks": self._stored.pop(request_id, 0)}
-        return False, params
+        return delay, params
+
+    def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        """`SupportsHMA`: as `request_finished` (tract serves models with one
+        KV cache group only; see the module docstring)."""
+        return self.request_finished(request, list(block_ids[0]) if block_ids else [])
 
     # ------------------------------------------------------- worker side
 
@@ -297,18 +425,59 @@ class TractConnector(KVConnectorBase_V1):
                     for block in block_ids]
         return [[layer[block] for layer in self._layers] for block in block_ids]
 
+    def _load(self, job: BlockJob) -> int:
+        return self.connector.load(job.keys, self._segments(job.block_ids))
+
+    def _loaded(self, job: BlockJob, loaded: int) -> None:
+        if loaded < len(job.block_ids):
+            log.warning("tract: request %s: %d of %d blocks failed to load (evicted, "
+                        "corrupt, unpublished or timed out); reported to vLLM as load errors",
+                        job.request_id, len(job.block_ids) - loaded, len(job.block_ids))
+            self._load_errors.update(job.block_ids[loaded:])
+
+    def _save(self, job: BlockJob) -> int:
+        kept = self.connector.store_each(job.keys, self._segments(job.block_ids)).kept
+        self._saved(job, int(kept.sum()))
+        return int(kept.sum())
+
+    def _saved(self, job: BlockJob, kept: int) -> None:
+        if kept < len(job.block_ids):  # a full pool: the engine serves on, the pool lacks them
+            log.log(logging.WARNING if not self._full_warned else logging.DEBUG,
+                    "tract: request %s: %d of %d blocks not stored (the pool is full, a lock "
+                    "was lost, or the save timed out); counted in the connector's not_stored",
+                    job.request_id, len(job.block_ids) - kept, len(job.block_ids))
+            self._full_warned = True
+
+    def _queue(self, kind: str, job: BlockJob, run) -> None:
+        if self._transfers is None:
+            self._transfers = TransferThread(f"tract-transfers-{self.options.node}")
+        self._transfers.submit(kind, job.request_id, lambda: run(job), self.options.timeout,
+                               info=job)
+        key = (kind, job.request_id)
+        self._jobs[key] = self._jobs.get(key, 0) + 1
+        if kind == "save":
+            self._saves_queued.add(job.request_id)
+
+    def handle_preemptions(self, kv_connector_metadata) -> None:
+        """Before this step's forward may overwrite a preempted request's
+        freed blocks: its queued stores are cancelled (its blocks are not
+        stored: a later miss, never a wrong block), and a store of it that
+        is running is waited for."""
+        preempted = getattr(kv_connector_metadata, "preempted", None)
+        self.preemptions += len(preempted or ())
+        if preempted and self._transfers is not None:
+            self._transfers.cancel(preempted, kinds=("save",))
+
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         for job in getattr(meta, "loads", ()):
-            loaded = self.connector.load(job.keys, self._segments(job.block_ids))
-            if loaded < len(job.block_ids):
-                log.warning("tract: request %s: %d of %d blocks failed to load (evicted, "
-                            "corrupt or unpublished); reported to vLLM as load errors",
-                            job.request_id, len(job.block_ids) - loaded, len(job.block_ids))
-                self._load_errors.update(job.block_ids[loaded:])
+            if job.asynchronous:
+                self._queue("load", job, self._load)
+            else:
+                self._loaded(job, self._load(job))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Loads finished in `start_load_kv`."""
+        """Loads finished in `start_load_kv`, or run on the transfer thread."""
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata,
                       **kwargs: Any) -> None:
@@ -317,13 +486,52 @@ class TractConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
         for job in getattr(meta, "stores", ()):
-            kept = self.connector.store_each(job.keys, self._segments(job.block_ids)).kept
-            if not kept.all():  # a full pool: the engine serves on, the pool lacks them
-                log.log(logging.WARNING if not self._full_warned else logging.DEBUG,
-                        "tract: request %s: %d of %d blocks not stored (the pool is full, "
-                        "or a lock was lost); counted in the connector's not_stored",
-                        job.request_id, int(kept.size - kept.sum()), kept.size)
-                self._full_warned = True
+            if job.asynchronous:
+                self._queue("save", job, self._save)
+            else:
+                self._save(job)
+
+    def _transfer_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        """(requests whose delayed free may end: finished, every store of
+        theirs ended; requests whose loads all ended)."""
+        recving: set[str] = set()
+        if self._transfers is None:
+            return set(), recving
+        # a finished request's queued loads are not needed: cancelled (vLLM holds the
+        # blocks of a request that finished loading until its loads are reported)
+        self._transfers.cancel(finished_req_ids, kinds=("load",), wait=False)
+        for ended in self._transfers.finished():
+            job, key = ended.info, (ended.kind, ended.request_id)
+            self._jobs[key] -= 1
+            if not self._jobs[key]:
+                del self._jobs[key]
+            self._latencies[f"{ended.kind}_seconds"].append(ended.seconds)
+            count = ended.result if ended.state == DONE else 0
+            if ended.kind == "load":
+                if ended.state != CANCELLED:  # a cancelled load's request is gone
+                    self._loaded(job, count)
+                if key not in self._jobs:
+                    recving.add(ended.request_id)
+            elif ended.state != DONE:
+                self.connector.not_stored(len(job.block_ids))
+                if ended.state != CANCELLED:
+                    self._saved(job, 0)
+        self._owed |= set(finished_req_ids) & self._saves_queued
+        sending = {request_id for request_id in self._owed
+                   if ("save", request_id) not in self._jobs}
+        self._owed -= sending
+        self._saves_queued -= sending
+        return sending, recving
+
+    def get_transfer_results(self, finished_req_ids: set[str]):
+        sending, recving = self._transfer_results(finished_req_ids)
+        return TransferResults(finished_sending=sending, finished_recving=recving)
+
+    def get_finished(self, finished_req_ids: set[str]
+                     ) -> tuple[set[str] | None, set[str] | None]:
+        """vLLM versions that ask `get_finished` (not `get_transfer_results`)."""
+        sending, recving = self._transfer_results(finished_req_ids)
+        return sending or None, recving or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -333,13 +541,24 @@ class TractConnector(KVConnectorBase_V1):
         now = {name: self.connector.stats[name] for name in STAT_NAMES}
         delta = {name: now[name] - self._reported[name] for name in STAT_NAMES}
         self._reported = now
-        return TractConnectorStats(data=delta) if any(delta.values()) else None
+        latencies, self._latencies = self._latencies, {name: [] for name in LATENCY_NAMES}
+        if not any(delta.values()) and not any(latencies.values()):
+            return None
+        return TractConnectorStats(data={**delta, **latencies})
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None
                                  ) -> KVConnectorStats | None:
         return TractConnectorStats(data=dict(data)) if data is not None else \
             TractConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        """vLLM's ``/metrics``: ``vllm:tract_*`` counters and histograms
+        (`TractPromMetrics`); None where vLLM has no connector metrics."""
+        if not hasattr(_metrics, "KVConnectorPromMetrics"):
+            return None
+        return TractPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config) -> str | None:
@@ -351,6 +570,8 @@ class TractConnector(KVConnectorBase_V1):
             return
         self._closed = True
         try:
+            if self._transfers is not None and not self._transfers.close(self.options.timeout):
+                log.warning("tract: transfers still queued at shutdown were cancelled")
             self.connector.close()
         finally:
             close_pool(self.options.pool, self.options.node)
