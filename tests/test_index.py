@@ -865,3 +865,18 @@ def test_processes_on_several_nodes_read_only_their_keys(pool_path):
         assert served > 20
     report = fsck(pool_path, watch=False)
     assert report["ok"], report["problems"][:3]
+
+
+def test_pins_held_counts_a_nodes_pins_until_they_are_taken_back(pool_path):
+    Pool.create(pool_path, 16 << 20, max_nodes=2, index_capacity=256)
+    with Pool.open(pool_path, 0, manager=True) as pool:
+        keys = np.arange(1, 13, dtype=np.uint64).reshape(6, 2)
+        pool.index.publish(pool.index.reserve(keys, 64))
+        first, second = pool.index.pin(keys), pool.index.pin(keys[:2])
+        assert (pool.index.pins_held(0), pool.index.pins_held(1)) == (8, 0)
+        pool.index.unpin(first)
+        assert pool.index.pins_held(0) == 2
+        pool.index.unpin(second)
+        assert pool.index.pins_held(0) == 0
+        with pytest.raises(ValueError, match="beyond this pool's max_nodes"):
+            pool.index.pins_held(2)

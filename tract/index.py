@@ -890,6 +890,15 @@ class Index:
         stamps = (values >> np.uint64(32)).astype(np.int64).max(axis=0)
         return pins, stamps
 
+    def pins_held(self, node: int) -> int:
+        """How many pins node ``node`` holds now, over every slot, read
+        fresh (R4): 0 once every load of the node has unpinned."""
+        if not 0 <= node < self.pool.header.max_nodes:
+            raise ValueError(f"node {node} is beyond this pool's max_nodes "
+                             f"({self.pool.header.max_nodes})")
+        pins, _ = self._pins(np.arange(self.capacity), [node])
+        return int(pins.sum())
+
     # ------------------------------------------------------------- scans
 
     def _table(self, batch: int = 4096):

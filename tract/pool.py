@@ -100,7 +100,8 @@ def _areas(size: int, max_nodes: int, max_locks: int, chunk_size: int, max_objec
     heap = _round_up(stats + max_nodes * STATS_BYTES, chunk_size)
     return dict(node_table=node_table, names=names, lock_area=lock_area,
                 lock_area_size=lock_area_size, alloc=alloc, objects=objects, index=index,
-                index_nodes=index_nodes, stats=stats, heap=heap, nchunks=max(0, (size - heap) // chunk_size))
+                index_nodes=index_nodes, stats=stats, heap=heap,
+                nchunks=max(0, (size - heap) // chunk_size))
 
 
 def default_index_capacity(size: int) -> int:
@@ -575,9 +576,10 @@ class Pool:
 
     def _hand_back(self) -> None:
         """The node's last process closes: free the blocks other nodes
-        queued for its slabs, give back its empty slabs, then leave, so that every other node judges the rest
-        (slabs and extents still referenced by the index or an object) as a
-        gone owner's at once, to reclaim once unreferenced (R6).  What a
+        queued for its slabs, give back its empty slabs, then leave, so
+        that every other node judges the rest (slabs and extents still
+        referenced by the index or an object) as a gone owner's at once, to
+        reclaim once unreferenced (R6).  What a
         lease of waiting for the ``alloc`` lock cannot give back stays,
         reclaimable; a process whose own lease lapsed writes nothing."""
         if not self.space.liveness.live(self.node):

@@ -4,21 +4,74 @@ batches of a JSON spec through `vllm.LLM` and writes what came out.
     python engine.py SPEC.json
 
 SPEC: ``model`` (a local model directory), ``out`` (where the results go),
-``batches`` (each ``{"prompts": [[token ids]], "max_tokens": n}``, or
-``"one_by_one": true`` to time each prompt alone), and optionally
+``batches`` (each ``{"prompts": [[token ids]], "max_tokens": n}``, with
+``"one_by_one": true`` to time each prompt alone, or ``"abort": [indices]``
+to abort those prompts' requests after the first engine step), and optionally
 ``kv_transfer_config`` (a dict, as vLLM takes it), ``block_size`` and
 ``num_blocks`` (the KV cache's size in blocks: small, vLLM preempts) with
-``max_model_len`` (which vLLM wants it to hold).
+``max_model_len`` (which vLLM wants it to hold), ``kv_events`` (record the
+KV events tract's connector hands vLLM's scheduler).
 Writes ``{"batches": [{"seconds", "outputs": [{"tokens", "finish",
 "cached", "params"}], "each_s"}], "layout": ..., "preemptions": n}``:
 ``layout`` is the worker connector's `tract.transfer.KVLayout` and
-``preemptions`` the requests it heard vLLM preempt (when it is tract's).
+``preemptions`` the requests it heard vLLM preempt (when it is tract's);
+``events``: the recorded KV events.
 """
 
 import dataclasses
 import json
 import sys
 import time
+
+
+def _settle(llm, timeout: float = 120.0) -> None:
+    """Step the engine while its scheduler still holds requests, as a
+    server's engine loop does: `LLM.generate` returns once its outputs are
+    out, before delayed frees (asynchronous saves) ended."""
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    deadline = time.monotonic() + timeout
+    while scheduler.has_requests():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the engine still held requests {timeout} s after the last "
+                               f"batch (a transfer never ended?)")
+        llm.llm_engine.step()
+        time.sleep(0.001)
+
+
+def _record_events(options) -> list:
+    """Turn vLLM's KV events on (published nowhere) and record every
+    event tract's connector hands the scheduler (`take_events`)."""
+    from vllm.config import KVEventsConfig
+
+    from tract.integrations.vllm import TractConnector
+
+    options["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+    recorded, take = [], TractConnector.take_events
+
+    def recording(self):
+        events = list(take(self))
+        recorded.extend(events)
+        return events
+
+    TractConnector.take_events = recording
+    return recorded
+
+
+def _abort_some(llm, prompts, sampling, aborted: set[int]) -> list:
+    """Add every prompt, step once (an asynchronous load is then queued or
+    running), abort the requests of the prompts at ``aborted``, and step
+    until the others finish; their outputs, in prompt order."""
+    engine = llm.llm_engine
+    names = [f"abort-{index}" for index in range(len(prompts))]  # outputs carry these
+    ids = [engine.add_request(name, prompt, sampling) for name, prompt in zip(names, prompts)]
+    engine.step()
+    engine.abort_request([ids[index] for index in sorted(aborted)], internal=True)
+    finished = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output
+    return [finished[name] for index, name in enumerate(names) if index not in aborted]
 
 
 def main(spec_path: str) -> None:
@@ -36,8 +89,9 @@ def main(spec_path: str) -> None:
         options["num_gpu_blocks_override"] = spec["num_blocks"]
     if spec.get("kv_transfer_config"):
         options["kv_transfer_config"] = spec["kv_transfer_config"]
+    events = _record_events(options) if spec.get("kv_events") else None
     llm = LLM(**options)
-    report = {"batches": [], "layout": None, "preemptions": None}
+    report = {"batches": [], "layout": None, "preemptions": None, "events": None}
 
     def outputs(results):
         return [{"tokens": list(r.outputs[0].token_ids), "finish": r.outputs[0].finish_reason,
@@ -49,7 +103,10 @@ def main(spec_path: str) -> None:
                                   ignore_eos=True)
         prompts = [TokensPrompt(prompt_token_ids=p) for p in batch["prompts"]]
         started = time.perf_counter()
-        if batch.get("one_by_one"):
+        if batch.get("abort"):  # these prompts' requests are aborted after one engine step
+            results = _abort_some(llm, prompts, sampling, set(batch["abort"]))
+            each = None
+        elif batch.get("one_by_one"):
             results, each = [], []
             for prompt in prompts:
                 began = time.perf_counter()
@@ -67,6 +124,15 @@ def main(spec_path: str) -> None:
         if layout is not None:
             report["layout"] = dataclasses.asdict(layout)
         report["preemptions"] = getattr(group, "preemptions", None)
+    _settle(llm)
+    if events is not None:
+        report["events"] = [{"hashes": [h.hex() if isinstance(h, bytes) else h
+                                        for h in event.block_hashes],
+                             "parent": event.parent_block_hash.hex()
+                             if isinstance(event.parent_block_hash, bytes)
+                             else event.parent_block_hash,
+                             "medium": event.medium, "tokens": len(event.token_ids)}
+                            for event in events]
     llm.llm_engine.engine_core.shutdown()  # the connectors' shutdown: pool counters published
     with open(spec["out"], "w") as sink:
         json.dump(report, sink)

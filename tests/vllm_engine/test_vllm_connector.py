@@ -5,7 +5,9 @@ weights, float32, eager.
 
 1. P/D: a producer prefills (``max_tokens=1``), a consumer on another node
    decodes: token-exact against a plain instance, and external hits for
-   every full block the consumer may take (all but the last token).
+   every full block the consumer may take (all but the last token); with
+   loads and stores asynchronous and synchronous; the producer's KV events
+   name every block it stored.
 2. Negative control: one stored block corrupted in the pool is a load
    error (a checksum failure on the consumer's node), and the consumer's
    tokens stay exact (vLLM recomputes from that block).
@@ -15,10 +17,15 @@ weights, float32, eager.
    time, token-exact, recomputing what is missing; fsck repairs to clean.
 5. A producer whose pool is smaller than one of its prompts serves on,
    token-exact, and counts every block it could not store.
+6. Preemption under a small KV cache, and requests aborted mid-load.
+7. Options refused by name; the Prometheus exposition.
 
 Also measured (printed, and written to ``$TRACT_VLLM_REPORT`` when set): the
-consumer's time to first token through tract, with no connector (prefix
-cache off) and through vLLM's ExampleConnector (files on disk).
+consumer's time to first token through tract (loads synchronous and
+asynchronous), through vLLM's ExampleConnector (files on disk) and from a
+local prefix hit, in alternating rounds, then beside a core burner; with no
+connector; and the bound the issue sets (local hit + 1.2 x bytes / cold
+memcpy bandwidth).
 """
 
 import json
@@ -92,14 +99,15 @@ def _tract(pool, node, role="kv_both", **extra):
 
 
 def _engine(workdir, name, model, batches, kv=None, env=None, timeout=600, check=True,
-            num_blocks=None, max_model_len=None):
+            num_blocks=None, max_model_len=None, kv_events=False, prefix_caching=False):
     """Run one vLLM instance over ``batches``; its report (None when the
     process died and ``check`` is false)."""
     out = workdir / f"{name}.json"
     spec = workdir / f"{name}.spec.json"
     spec.write_text(json.dumps({"model": model, "out": str(out), "batches": batches,
                                 "kv_transfer_config": kv, "block_size": BLOCK,
-                                "num_blocks": num_blocks, "max_model_len": max_model_len}))
+                                "num_blocks": num_blocks, "max_model_len": max_model_len,
+                                "kv_events": kv_events, "prefix_caching": prefix_caching}))
     done = subprocess.run([sys.executable, ENGINE, str(spec)], env=_env(workdir, **(env or {})),
                           capture_output=True, text=True, timeout=timeout)
     if done.returncode != 0:
@@ -162,11 +170,28 @@ def test_pd_handoff_is_token_exact_with_every_full_block_external(workdir, model
                                                                   reference, pool_path,
                                                                   asynchronous):
     """Both paths: loads and stores on the workers' transfer threads (vLLM's
-    asynchronous loads and delayed frees), and inside the step."""
+    asynchronous loads and delayed frees), and inside the step.  The
+    producer's KV events name every block it stored, medium CXL, chained."""
+    from tract.hashing import vllm_block_hashes
+
     producer = _engine(workdir, "producer", model, _decode(prompts, 1),
-                       kv=_tract(pool_path, 1, "kv_producer", **{"async": asynchronous}))
+                       kv=_tract(pool_path, 1, "kv_producer", **{"async": asynchronous}),
+                       kv_events=True)
     stored = [o["params"]["tract_stored_blocks"] for o in producer["batches"][0]["outputs"]]
     assert stored == [len(p) // BLOCK for p in prompts]
+    events = producer["events"]
+    assert {event["medium"] for event in events} == {"CXL"}
+    announced = [h for event in events for h in event["hashes"]]
+    hashes = [h for p in prompts for h in vllm_block_hashes(p, BLOCK)[:len(p) // BLOCK]]
+    # vLLM publishes a hash as its 64 low bits (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES, the
+    # default) or as the digest
+    expected = [int.from_bytes(h, "big") & (1 << 64) - 1 for h in hashes] \
+        if announced and isinstance(announced[0], int) else [h.hex() for h in hashes]
+    assert sorted(announced) == sorted(expected)
+    for event in events:
+        assert event["tokens"] == BLOCK * len(event["hashes"])
+        if event["parent"] is not None:
+            assert event["parent"] in expected
     consumer = _engine(workdir, "consumer", model, _decode(prompts) + _decode(prompts),
                        kv=_tract(pool_path, 2, "kv_consumer", **{"async": asynchronous}))
     outputs = consumer["batches"][0]["outputs"]
@@ -253,6 +278,27 @@ def test_preempted_requests_never_store_a_reused_block(workdir, model, prompts, 
     assert _counters(pool_path)[2]["checksum_failures"] == 0
 
 
+def test_requests_aborted_mid_load_leave_no_pin_and_the_engine_goes_on(
+        workdir, model, prompts, reference, pool_path):
+    """A consumer whose requests are aborted one step after they arrived,
+    while their asynchronous loads are queued or running: the engine serves
+    the others and then the same prompts again, token-exact; no pin is left
+    and the pool checks clean."""
+    from tract.fsck import fsck
+
+    _store(workdir, "producer-abort", model, prompts, pool_path, 1)
+    consumer = _engine(workdir, "consumer-abort", model,
+                       [{"prompts": prompts, "max_tokens": DECODE, "abort": [0, 2]}] +
+                       _decode(prompts), kv=_tract(pool_path, 2, "kv_consumer", async_loads=True))
+    survivors = [o["tokens"] for o in consumer["batches"][0]["outputs"]]
+    assert survivors == [reference["tokens"][1], reference["tokens"][3]]
+    assert [o["tokens"] for o in consumer["batches"][1]["outputs"]] == reference["tokens"]
+    with Pool.observe(pool_path) as pool:
+        assert pool.index.pins_held(2) == 0, "an aborted load left a pin"
+    report = fsck(pool_path)
+    assert report["ok"] and report["problems"] == [], report["problems"][:3]
+
+
 def test_a_producer_killed_mid_store_costs_the_consumer_only_recomputation(
         workdir, model, prompts, reference, pool_path):
     died = _store(workdir, "producer-killed", model, prompts, pool_path, 1,
@@ -304,45 +350,116 @@ def test_a_producer_whose_pool_is_too_small_serves_on_and_counts_what_it_did_not
         Pool.destroy(path)
 
 
-def test_consumer_ttft_through_tract_against_no_connector_and_example_connector(workdir):
+#: rounds of the TTFT comparison (each runs every configuration once, in turn)
+ROUNDS = int(os.environ.get("TRACT_VLLM_ROUNDS", "2"))
+#: each prompt this many times a round, one request at a time
+REPEATS = 4
+
+
+def _cold_memcpy_bandwidth() -> float:
+    """Bytes a second of a 256 MiB numpy copy (larger than the caches):
+    the best of 3, in this run."""
+    source, target = np.ones(32 << 20, np.float64), np.empty(32 << 20, np.float64)
+    best = float("inf")
+    for _ in range(3):
+        began = time.perf_counter()
+        np.copyto(target, source)
+        best = min(best, time.perf_counter() - began)
+    return source.nbytes / best
+
+
+def _ratios(numerators, denominators) -> dict:
+    """The median of per-round ratios, with their range."""
+    ratios = [a / b for a, b in zip(numerators, denominators)]
+    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+
+
+def test_consumer_ttft_through_tract_against_the_example_connector_and_a_local_hit(workdir):
     """Long prompts on an 8-layer model (so computing a prefix costs more
-    than loading it), one request at a time, in the same run."""
+    than loading it), one request at a time.  Every configuration runs once
+    a round, in turn (A B C D A B C D ...), each round then a ratio; then
+    one more round beside a process that burns a core.  The local prefix
+    hit (one instance serving a prompt it served before) is the floor for
+    any connector."""
     model = _llama(workdir / "bench-llama", layers=8, hidden=512, heads=8, intermediate=2048)
     rng = np.random.default_rng(11)
     prompts = [rng.integers(0, 1024, n).tolist() for n in (900, 850, 950, 800, 910)]
-    one_by_one = [{"prompts": prompts, "max_tokens": 1, "one_by_one": True}]
+    once = {"prompts": prompts, "max_tokens": 1, "one_by_one": True}
+    timed = [{**once, "prompts": prompts * REPEATS}]  # the last batch is timed
     pool_path = _pool(workdir, "ttft")
-    try:
-        _store(workdir, "bench-producer", model, prompts, pool_path, 1)
-        through_tract = _engine(workdir, "bench-consumer", model, one_by_one,
-                                kv=_tract(pool_path, 2, "kv_consumer"))
-    finally:
-        Pool.destroy(pool_path)
-    loaded = [o["params"]["tract_external_tokens"] for o in through_tract["batches"][0]["outputs"]]
-    assert loaded == [_full_blocks(p) * BLOCK for p in prompts]
-    plain = _engine(workdir, "bench-plain", model, one_by_one)
     disk = workdir / "example-connector"
     example = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
                "kv_connector_extra_config": {"shared_storage_path": str(disk)}}
-    # one prompt a step: the ExampleConnector saves a request's whole prompt at its first
-    # step, so under chunked prefill it would save blocks not yet computed
-    _engine(workdir, "bench-example-producer", model, one_by_one, kv=example)
-    through_disk = _engine(workdir, "bench-example-consumer", model, one_by_one, kv=example)
-    for run in (plain, through_disk):
-        assert [o["tokens"] for o in run["batches"][0]["outputs"]] == \
-            [o["tokens"] for o in through_tract["batches"][0]["outputs"]]
-    figures = {name: statistics.median(run["batches"][0]["each_s"]) for name, run in
-               (("tract", through_tract), ("no_connector", plain),
-                ("example_connector", through_disk))}
-    report = {"prompt_tokens": [len(p) for p in prompts], "ttft_median_s": figures,
-              "ratios": {"no_connector_over_tract": figures["no_connector"] / figures["tract"],
-                         "example_over_tract": figures["example_connector"] / figures["tract"]},
-              "recovered_after_kill_s": REPORT.get("recovered_s")}
-    print("\nvLLM consumer TTFT (median, one request at a time):", json.dumps(report))
+    configs = {
+        "tract": dict(batches=timed, kv=_tract(pool_path, 2, "kv_consumer")),
+        "tract_async_loads": dict(batches=timed, kv=_tract(pool_path, 3, "kv_consumer",
+                                                           async_loads=True)),
+        "example_connector": dict(batches=timed, kv=example),
+        "local_prefix_hit": dict(batches=[once] + timed, prefix_caching=True),
+    }
+    quiet = {name: [] for name in configs}
+    burned = {}
+    try:
+        _store(workdir, "bench-producer", model, prompts, pool_path, 1)
+        # one prompt a step: the ExampleConnector saves a request's whole prompt at its
+        # first step, so under chunked prefill it would save blocks not yet computed
+        _engine(workdir, "bench-example-producer", model, [once], kv=example)
+        expected, layout = None, None
+        for round_ in range(ROUNDS + 1):
+            burner = subprocess.Popen([sys.executable, "-c", "while True: pass"]) \
+                if round_ == ROUNDS else None
+            try:
+                for name, config in configs.items():
+                    report = _engine(workdir, f"bench-{name}-{round_}", model, **config)
+                    batch = report["batches"][-1]
+                    tokens = [o["tokens"] for o in batch["outputs"]]
+                    expected = expected or tokens
+                    assert tokens == expected, name
+                    if name.startswith("tract"):
+                        layout = report["layout"]
+                        assert [o["params"]["tract_external_tokens"] for o in batch["outputs"]] \
+                            == [_full_blocks(p) * BLOCK for p in prompts] * REPEATS
+                    ttft = statistics.median(batch["each_s"])
+                    if burner is None:
+                        quiet[name].append(ttft)
+                    else:
+                        burned[name] = ttft
+            finally:
+                if burner is not None:
+                    burner.kill()
+                    burner.wait()
+    finally:
+        Pool.destroy(pool_path)
+    plain = _engine(workdir, "bench-plain", model, [once])  # computes every token
+    assert [o["tokens"] for o in plain["batches"][0]["outputs"]] == expected[:len(prompts)]
+    block_bytes = 2 * layout["num_layers"] * layout["num_kv_heads"] * layout["head_size"] * \
+        layout["block_size"] * 4  # float32
+    loaded = statistics.median(_full_blocks(p) * block_bytes for p in prompts)
+    bandwidth = _cold_memcpy_bandwidth()
+    floor = statistics.median(quiet["local_prefix_hit"])
+    bound = floor + 1.2 * loaded / bandwidth
+    tract = quiet["tract"]
+    report = {
+        "prompt_tokens": [len(p) for p in prompts], "requests_per_round": len(prompts) * REPEATS,
+        "rounds": ROUNDS,
+        "ttft_median_s": {name: statistics.median(values) for name, values in quiet.items()},
+        "ttft_per_round_s": quiet,
+        "ttft_no_connector_s": statistics.median(plain["batches"][0]["each_s"]),
+        "tract_over_example": _ratios(tract, quiet["example_connector"]),
+        "tract_over_local_hit": _ratios(tract, quiet["local_prefix_hit"]),
+        "tract_async_loads_over_tract": _ratios(quiet["tract_async_loads"], tract),
+        "beside_a_core_burner_s": burned,
+        "moved_by_the_burner": {name: burned[name] / statistics.median(quiet[name])
+                                for name in burned},
+        "load_bound": {"bytes_loaded": loaded, "cold_memcpy_bytes_per_s": bandwidth,
+                       "bound_s": bound, "tract_over_bound": statistics.median(tract) / bound},
+        "recovered_after_kill_s": REPORT.get("recovered_s"),
+    }
+    print("\nvLLM consumer TTFT (one request at a time):", json.dumps(report))
     if os.environ.get("TRACT_VLLM_REPORT"):
         with open(os.environ["TRACT_VLLM_REPORT"], "w") as sink:
             json.dump(report, sink, indent=2)
-    assert all(value > 0 for value in figures.values())
+    assert all(value > 0 for values in quiet.values() for value in values)
 
 
 def test_metrics_reach_vllms_prometheus_exposition_and_stats_aggregate():
@@ -372,3 +489,24 @@ def test_metrics_reach_vllms_prometheus_exposition_and_stats_aggregate():
     assert 'vllm:tract_hit_blocks_total{engine="0",model_name="tiny"} 7.0' in text
     assert 'vllm:tract_not_stored_total{engine="0",model_name="tiny"} 1.0' in text
     assert 'vllm:tract_load_seconds_count{engine="0",model_name="tiny"} 2.0' in text
+
+
+@pytest.mark.parametrize("extra, match", [
+    ({"pool": "p", "node": 1, "asynch": True}, r"unknown key\(s\) \['asynch'\]"),
+    ({"pool": "p", "node": 1, "async": "maybe"}, "async must be true or false"),
+    ({"node": 1}, "needs 'pool'"),
+])
+def test_bad_options_are_refused_by_name(extra, match):
+    import types
+
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from tract.errors import ConfigError
+    from tract.integrations.vllm import TractConnector
+
+    config = types.SimpleNamespace(kv_transfer_config=KVTransferConfig(
+        kv_connector="TractConnector", kv_connector_module_path="tract.integrations.vllm",
+        kv_role="kv_both", kv_connector_extra_config=extra))
+    with pytest.raises(ConfigError, match=match):
+        TractConnector(config, KVConnectorRole.SCHEDULER, None)

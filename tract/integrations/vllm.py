@@ -16,8 +16,9 @@ lock-manager thread here, active or standby; default false), ``checksum``
 instances share blocks only under the same salt), ``model_id`` (the name
 that must match for two instances to share blocks; default the served
 model name), ``timeout`` (seconds a pool lock may be waited for, and a queued
-transfer may wait to start; default 30), ``async`` (loads and stores on the
-worker's transfer thread; default true; false: inside the step).
+transfer may wait to start; default 30), ``async_loads`` and ``async_saves``
+(loads, stores on the worker's transfer thread, not inside the step;
+defaults: loads on GPUs only, stores everywhere), ``async`` (sets both).
 
 What the adapter does (the work is `tract.connector.Connector`'s; this
 module only translates):
@@ -33,8 +34,9 @@ module only translates):
   computes at least one); `update_state_after_alloc` queues the loads;
   `build_connector_meta` hands the worker those loads and the stores of
   every block that the step completes (producer and both roles).
-- **Asynchronous** (``async``, the default): `get_num_new_matched_tokens`
-  says the load is asynchronous, so vLLM parks the request
+- **Asynchronous** (``async_loads``, ``async_saves``):
+  `get_num_new_matched_tokens` says the load is asynchronous, so vLLM parks
+  the request
   (``WAITING_FOR_REMOTE_KVS``) and steps on; the worker queues the load on
   its transfer thread (`tract.integrations.transfers`) and reports it in
   ``finished_recving`` when it ended, its failed blocks as load errors in
@@ -47,7 +49,8 @@ module only translates):
   request's queued stores are cancelled in `handle_preemptions`, and a
   running one is waited for, before the step may reuse its blocks; a
   finished request's queued loads are cancelled.
-- **Synchronous** (``"async": false``): loads run in `start_load_kv`,
+- **Synchronous** (``"async": false``, and loads on the CPU backend by
+  default): loads run in `start_load_kv`,
   before the forward pass (on the CPU backend the copy is the CPU's own
   work, and with one range per block it runs at memory speed); stores run
   in `wait_for_save`, after the step wrote every layer.
@@ -75,6 +78,12 @@ module only translates):
   with one KV cache group (every non-hybrid model) is served as above; for
   a hybrid model (several groups) tract stands aside, with a warning: it
   loads and stores nothing, rather than fill one group of a block.
+- **KV events** (when vLLM's ``kv_events_config`` turns them on):
+  `take_events` yields a `BlockStored` (medium ``CXL``, chained to the block
+  before it) for each block a store put in the rack, once every worker
+  reported the store ended (`build_connector_worker_meta`,
+  `update_connector_output`), so a KV-aware router sees what the rack
+  holds.
 - **Metrics**: `get_kv_connector_stats` reports the connector's counts per
   step (`TractConnectorStats`: hits, misses, stored and not stored
   blocks, bytes, checksum failures, and each asynchronous job's time);
@@ -101,7 +110,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1 import metrics as _metrics
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from tract.errors import ConfigError
-from tract.integrations.common import close_pool, flag, open_connector, options
+from tract.integrations.common import Options, close_pool, flag, open_connector, options
 from tract.integrations.transfers import CANCELLED, DONE, TransferThread
 from tract.transfer import KVLayout
 
@@ -111,7 +120,7 @@ from tract.transfer import KVLayout
 # fails on llvmlite's library wrapper when llvmlite is already loaded.
 
 __all__ = ["TractConnector", "TractConnectorMetadata", "TractConnectorStats", "TractPromMetrics",
-           "kv_layout"]
+           "TractWorkerMetadata", "kv_layout"]
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +133,11 @@ LATENCY_NAMES = ("load_seconds", "save_seconds")
 #: transfer results with failed receives (0.33)
 SupportsHMA = getattr(_base, "SupportsHMA", object)
 TransferResults = getattr(_base, "KVConnectorTransferResults", None)
+WorkerMetadata = getattr(_base, "KVConnectorWorkerMetadata", object)
+#: the adapter's own keys of ``kv_connector_extra_config`` (beside `Options`)
+ADAPTER_KEYS = ("model_id", "async", "async_loads", "async_saves")
+#: the medium named in tract's KV events (vLLM's own are GPU, CPU and STORAGE)
+MEDIUM = "CXL"
 
 
 # ------------------------------------------------------------------ layout
@@ -170,6 +184,7 @@ class BlockJob:
     block_ids: list[int]
     keys: np.ndarray  # (n, 2) uint64
     asynchronous: bool = False
+    seq: int = -1  # a store's number, to report which of its blocks are in the pool
 
 
 @dataclasses.dataclass
@@ -181,6 +196,25 @@ class TractConnectorMetadata(KVConnectorMetadata):
     loads: list[BlockJob] = dataclasses.field(default_factory=list)
     stores: list[BlockJob] = dataclasses.field(default_factory=list)
     preempted: set[str] = dataclasses.field(default_factory=set)
+
+
+@dataclasses.dataclass
+class TractWorkerMetadata(WorkerMetadata):
+    """Worker to scheduler, per step, when KV events are on: for each
+    store (by ``seq``) that ended, how many workers report it and which of
+    its blocks every one of them has in the pool (a tensor-parallel block is
+    in the rack when each rank's part is)."""
+
+    stored: dict[int, tuple[int, frozenset[int]]] = dataclasses.field(default_factory=dict)
+
+    def aggregate(self, other: TractWorkerMetadata) -> TractWorkerMetadata:
+        for seq, (count, kept) in other.stored.items():
+            if seq in self.stored:
+                had, both = self.stored[seq]
+                self.stored[seq] = (had + count, both & kept)
+            else:
+                self.stored[seq] = (count, kept)
+        return self
 
 
 @dataclasses.dataclass
@@ -234,6 +268,29 @@ LATENCY_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0
                    0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
+def _stored_events(hashes, parent, tokens, kept: list[int], block_size: int) -> list:
+    """`BlockStored` events for the ``kept`` blocks (indices into
+    ``hashes``) of one store: one event per run of consecutive blocks, each
+    chained to the block before it."""
+    from vllm.distributed.kv_events import BlockStored
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    events, first = [], 0
+    for at in range(1, len(kept) + 1):
+        if at < len(kept) and kept[at] == kept[at - 1] + 1:
+            continue
+        run = kept[first:at]
+        start, end = run[0], run[-1] + 1
+        before = hashes[start - 1] if start else parent
+        events.append(BlockStored(
+            block_hashes=[maybe_convert_block_hash(h) for h in hashes[start:end]],
+            parent_block_hash=None if before is None else maybe_convert_block_hash(before),
+            token_ids=tokens[start * block_size:end * block_size], block_size=block_size,
+            lora_id=None, medium=MEDIUM, lora_name=None))
+        first = at
+    return events
+
+
 class TractPromMetrics(getattr(_metrics, "KVConnectorPromMetrics", object)):
     """tract's connector on vLLM's ``/metrics``: a counter
     ``vllm:tract_<count>`` per `STAT_NAMES` entry and a histogram
@@ -274,10 +331,21 @@ class TractConnector(KVConnectorBase_V1, SupportsHMA):
         transfer = vllm_config.kv_transfer_config
         extra = transfer.kv_connector_extra_config or {}
         where = "TractConnector's kv_connector_extra_config"
-        self.options = options({k: v for k, v in extra.items() if k not in ("model_id", "async")},
-                               where)
-        #: loads and stores on the worker's transfer thread (default), or inside the step
-        self.asynchronous = flag(extra.get("async", True), "async", where)
+        known = {field.name for field in dataclasses.fields(Options)} | set(ADAPTER_KEYS)
+        unknown = sorted(set(extra) - known)
+        if unknown:  # a typo is refused, not a silent default
+            raise ConfigError(f"{where}: unknown key(s) {unknown}; known: {sorted(known)}")
+        self.options = options({k: v for k, v in extra.items() if k not in ADAPTER_KEYS}, where)
+        # loads and stores on the worker's transfer thread, or inside the step: ``async``
+        # sets both; by default stores are queued, and loads are on GPUs only (on the CPU
+        # backend a load's copy is the CPU's own work, and parking the request costs more
+        # engine steps than the copy: see docs/vllm.md)
+        both = None if extra.get("async") is None else flag(extra["async"], "async", where)
+        on_cpu, _ = _platform()
+        self.async_loads = flag(extra.get("async_loads", not on_cpu if both is None else both),
+                                "async_loads", where)
+        self.async_saves = flag(extra.get("async_saves", True if both is None else both),
+                                "async_saves", where)
         self._produces, self._consumes = transfer.is_kv_producer, transfer.is_kv_consumer
         groups = len(getattr(kv_cache_config, "kv_cache_groups", None) or ())
         if groups > 1:  # tract's keys name one group's blocks: it stands aside, never half-loads
@@ -302,6 +370,15 @@ class TractConnector(KVConnectorBase_V1, SupportsHMA):
         self._stored: dict[str, int] = {}  # leading blocks queued for storing
         self._saving: set[str] = set()  # requests with queued asynchronous stores
         self._loads: list[BlockJob] = []
+        events = getattr(vllm_config, "kv_events_config", None)
+        #: KV events (`take_events`): only when vLLM publishes them
+        self._events_on = bool(events is not None and events.enable_kv_cache_events)
+        parallel = vllm_config.parallel_config
+        self._workers = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
+        self._seq = 0
+        self._announcing: dict[int, tuple] = {}  # store seq -> (hashes, parent, tokens)
+        self._reports: dict[int, tuple[int, frozenset[int]]] = {}  # partial, across steps
+        self._events: list = []
         # worker side
         self._layers: list[torch.Tensor] = []
         self._split = False  # layers laid out (K/V, block, ...), not (block, ...)
@@ -314,6 +391,7 @@ class TractConnector(KVConnectorBase_V1, SupportsHMA):
         self._owed: set[str] = set()  # finished requests whose stores are still queued
         self._latencies: dict[str, list[float]] = {name: [] for name in LATENCY_NAMES}
         self.preemptions = 0  # requests vLLM preempted, as this worker heard
+        self._kept: dict[int, frozenset[int]] = {}  # ended stores' blocks in the pool, unsent
 
     # ------------------------------------------------------------- keys
 
@@ -333,7 +411,7 @@ class TractConnector(KVConnectorBase_V1, SupportsHMA):
             return 0, False
         hits = self.connector.lookup(self._keys(request, usable)[first:]) // self.block_size
         self._local_hit[request.request_id] = num_computed_tokens
-        return hits * self.block_size, self.asynchronous and hits > 0
+        return hits * self.block_size, self.async_loads and hits > 0
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         request_id = request.request_id
@@ -344,7 +422,7 @@ class TractConnector(KVConnectorBase_V1, SupportsHMA):
         count = num_external_tokens // self.block_size
         block_ids = blocks.get_block_ids()[0][first:first + count]
         keys = self._keys(request, first + count)[first:]
-        self._loads.append(BlockJob(request_id, list(block_ids), keys, self.asynchronous))
+        self._loads.append(BlockJob(request_id, list(block_ids), keys, self.async_loads))
         self._external[request_id] = self._external.get(request_id, 0) + num_external_tokens
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
@@ -365,11 +443,41 @@ class TractConnector(KVConnectorBase_V1, SupportsHMA):
                 continue
             block_ids = self._kv_cache_manager.get_block_ids(request_id)[0][start:done]
             meta.stores.append(BlockJob(request_id, list(block_ids),
-                                        self._keys(request, done)[start:], self.asynchronous))
+                                        self._keys(request, done)[start:], self.async_saves,
+                                        self._seq))
+            if self._events_on:
+                self._announcing[self._seq] = (
+                    request.block_hashes[start:done],
+                    request.block_hashes[start - 1] if start else None,
+                    list(request.all_token_ids[start * self.block_size:done * self.block_size]))
+            self._seq += 1
             self._stored[request_id] = done
-            if self.asynchronous:
+            if self.async_saves:
                 self._saving.add(request_id)
         return meta
+
+    def update_connector_output(self, connector_output) -> None:
+        """The workers' reports of ended stores: once every worker reported
+        a store, its blocks in the pool become `BlockStored` events."""
+        report = getattr(connector_output, "kv_connector_worker_meta", None)
+        if not isinstance(report, TractWorkerMetadata):
+            return
+        for seq, (count, kept) in report.stored.items():
+            if seq in self._reports:
+                had, both = self._reports.pop(seq)
+                count, kept = had + count, both & kept
+            if count < self._workers:
+                self._reports[seq] = (count, kept)
+                continue
+            announced = self._announcing.pop(seq, None)
+            if announced is not None and kept:
+                self._events += _stored_events(*announced, sorted(kept), self.block_size)
+
+    def take_events(self):
+        """`BlockStored` events (medium ``CXL``) of the blocks this
+        connector stored into the rack, as the workers confirmed them."""
+        events, self._events = self._events, []
+        return events
 
     def request_finished(self, request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
@@ -435,10 +543,16 @@ class TractConnector(KVConnectorBase_V1, SupportsHMA):
                         job.request_id, len(job.block_ids) - loaded, len(job.block_ids))
             self._load_errors.update(job.block_ids[loaded:])
 
-    def _save(self, job: BlockJob) -> int:
+    def _save(self, job: BlockJob) -> np.ndarray:
+        """Store the job's blocks; which are in the pool after it."""
         kept = self.connector.store_each(job.keys, self._segments(job.block_ids)).kept
         self._saved(job, int(kept.sum()))
-        return int(kept.sum())
+        return kept
+
+    def _ended_store(self, job: BlockJob, kept: np.ndarray | None) -> None:
+        if self._events_on:
+            self._kept[job.seq] = frozenset(np.flatnonzero(kept).tolist()) \
+                if kept is not None else frozenset()
 
     def _saved(self, job: BlockJob, kept: int) -> None:
         if kept < len(job.block_ids):  # a full pool: the engine serves on, the pool lacks them
@@ -489,7 +603,7 @@ class TractConnector(KVConnectorBase_V1, SupportsHMA):
             if job.asynchronous:
                 self._queue("save", job, self._save)
             else:
-                self._save(job)
+                self._ended_store(job, self._save(job))
 
     def _transfer_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         """(requests whose delayed free may end: finished, every store of
@@ -512,10 +626,12 @@ class TractConnector(KVConnectorBase_V1, SupportsHMA):
                     self._loaded(job, count)
                 if key not in self._jobs:
                     recving.add(ended.request_id)
-            elif ended.state != DONE:
-                self.connector.not_stored(len(job.block_ids))
-                if ended.state != CANCELLED:
-                    self._saved(job, 0)
+            else:
+                self._ended_store(job, ended.result)
+                if ended.state != DONE:
+                    self.connector.not_stored(len(job.block_ids))
+                    if ended.state != CANCELLED:
+                        self._saved(job, 0)
         self._owed |= set(finished_req_ids) & self._saves_queued
         sending = {request_id for request_id in self._owed
                    if ("save", request_id) not in self._jobs}
@@ -532,6 +648,13 @@ class TractConnector(KVConnectorBase_V1, SupportsHMA):
         """vLLM versions that ask `get_finished` (not `get_transfer_results`)."""
         sending, recving = self._transfer_results(finished_req_ids)
         return sending or None, recving or None
+
+    def build_connector_worker_meta(self):
+        """The stores that ended since the last step, for KV events."""
+        if not self._kept:
+            return None
+        kept, self._kept = self._kept, {}
+        return TractWorkerMetadata({seq: (1, blocks) for seq, blocks in kept.items()})
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
