@@ -494,6 +494,9 @@ def test_metrics_reach_vllms_prometheus_exposition_and_stats_aggregate():
     assert 'vllm:tract_hit_blocks_total{engine="0",model_name="tiny"} 7.0' in text
     assert 'vllm:tract_not_stored_total{engine="0",model_name="tiny"} 1.0' in text
     assert 'vllm:tract_load_seconds_count{engine="0",model_name="tiny"} 2.0' in text
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    assert TractConnector._cache_hit_source is CacheHitSource.HOST
 
 
 @pytest.mark.parametrize("extra, match", [

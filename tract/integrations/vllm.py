@@ -84,7 +84,8 @@ module only translates):
   reported the store ended (`build_connector_worker_meta`,
   `update_connector_output`), so a KV-aware router sees what the rack
   holds.
-- **Metrics**: `get_kv_connector_stats` reports the connector's counts per
+- **Metrics**: vLLM counts tract's hits as ``host`` in
+  ``vllm:prompt_tokens_cached_by_source``; `get_kv_connector_stats` reports the connector's counts per
   step (`TractConnectorStats`: hits, misses, stored and not stored
   blocks, bytes, checksum failures, and each asynchronous job's time);
   `build_prom_metrics` puts them on vLLM's ``/metrics`` as ``vllm:tract_*``
@@ -325,6 +326,10 @@ class TractPromMetrics(getattr(_metrics, "KVConnectorPromMetrics", object)):
 
 class TractConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM KV connector v1 over a tract pool (see the module docstring)."""
+
+    # vLLM's ``vllm:prompt_tokens_cached_by_source``: the rack's pool is host memory
+    if hasattr(_base, "CacheHitSource"):
+        _cache_hit_source = _base.CacheHitSource.HOST
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
