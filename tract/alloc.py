@@ -62,8 +62,8 @@ import contextlib
 import dataclasses
 import functools
 import os
-import threading
 import struct
+import threading
 import typing
 
 import numpy as np
