@@ -168,4 +168,5 @@ def test_cancel_waits_for_a_running_job_of_the_request_and_close_cancels_what_is
     left = thread.submit("load", "r", lambda: None, timeout=30)
     assert not thread.close(0.2)  # q still runs: r is cancelled, not run
     assert left.state == CANCELLED
+    assert thread.busy(), "a job still running is reported (its pool must stay mapped)"
     stuck.set()

@@ -697,9 +697,13 @@ class TractConnector(KVConnectorBase_V1, SupportsHMA):
         if self._closed:
             return
         self._closed = True
+        if self._transfers is not None and not self._transfers.close(self.options.timeout):
+            log.warning("tract: transfers still queued at shutdown were cancelled")
+            if self._transfers.busy():  # a copy still runs: the pool stays mapped for it
+                log.warning("tract: a transfer still runs at shutdown; the pool handle is "
+                            "left open for it")
+                return
         try:
-            if self._transfers is not None and not self._transfers.close(self.options.timeout):
-                log.warning("tract: transfers still queued at shutdown were cancelled")
             self.connector.close()
         finally:
             close_pool(self.options.pool, self.options.node)
