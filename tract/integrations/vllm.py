@@ -199,6 +199,15 @@ class TractConnectorMetadata(KVConnectorMetadata):
     preempted: set[str] = dataclasses.field(default_factory=set)
 
 
+def _merged(had: tuple[int, frozenset[int]] | None, report: tuple[int, frozenset[int]]
+            ) -> tuple[int, frozenset[int]]:
+    """Two workers' reports of one store: how many reported, and the blocks
+    every one of them has in the pool."""
+    if had is None:
+        return report
+    return had[0] + report[0], had[1] & report[1]
+
+
 @dataclasses.dataclass
 class TractWorkerMetadata(WorkerMetadata):
     """Worker to scheduler, per step, when KV events are on: for each
@@ -209,12 +218,8 @@ class TractWorkerMetadata(WorkerMetadata):
     stored: dict[int, tuple[int, frozenset[int]]] = dataclasses.field(default_factory=dict)
 
     def aggregate(self, other: TractWorkerMetadata) -> TractWorkerMetadata:
-        for seq, (count, kept) in other.stored.items():
-            if seq in self.stored:
-                had, both = self.stored[seq]
-                self.stored[seq] = (had + count, both & kept)
-            else:
-                self.stored[seq] = (count, kept)
+        for seq, report in other.stored.items():
+            self.stored[seq] = _merged(self.stored.pop(seq, None), report)
         return self
 
 
@@ -373,7 +378,6 @@ class TractConnector(KVConnectorBase_V1, SupportsHMA):
         self._local_hit: dict[str, int] = {}  # tokens vLLM had when it asked us
         self._external: dict[str, int] = {}  # tokens we load
         self._stored: dict[str, int] = {}  # leading blocks queued for storing
-        self._saving: set[str] = set()  # requests with queued asynchronous stores
         self._loads: list[BlockJob] = []
         events = getattr(vllm_config, "kv_events_config", None)
         #: KV events (`take_events`): only when vLLM publishes them
@@ -457,8 +461,6 @@ class TractConnector(KVConnectorBase_V1, SupportsHMA):
                     list(request.all_token_ids[start * self.block_size:done * self.block_size]))
             self._seq += 1
             self._stored[request_id] = done
-            if self.async_saves:
-                self._saving.add(request_id)
         return meta
 
     def update_connector_output(self, connector_output) -> None:
@@ -467,10 +469,8 @@ class TractConnector(KVConnectorBase_V1, SupportsHMA):
         report = getattr(connector_output, "kv_connector_worker_meta", None)
         if not isinstance(report, TractWorkerMetadata):
             return
-        for seq, (count, kept) in report.stored.items():
-            if seq in self._reports:
-                had, both = self._reports.pop(seq)
-                count, kept = had + count, both & kept
+        for seq, report_of_seq in report.stored.items():
+            count, kept = _merged(self._reports.pop(seq, None), report_of_seq)
             if count < self._workers:
                 self._reports[seq] = (count, kept)
                 continue
@@ -493,11 +493,10 @@ class TractConnector(KVConnectorBase_V1, SupportsHMA):
         request_id = request.request_id
         self._requests.pop(request_id, None)
         self._local_hit.pop(request_id, None)
-        delay = request_id in self._saving
-        self._saving.discard(request_id)
+        stored = self._stored.pop(request_id, 0)  # > 0: stores were queued for it
         params = {"tract_external_tokens": self._external.pop(request_id, 0),
-                  "tract_stored_blocks": self._stored.pop(request_id, 0)}
-        return delay, params
+                  "tract_stored_blocks": stored}
+        return self.async_saves and stored > 0, params
 
     def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]
                                     ) -> tuple[bool, dict[str, Any] | None]:
