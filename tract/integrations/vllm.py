@@ -29,6 +29,14 @@ module only translates):
   KV heads, head size, the cache layout, the tensor-parallel rank and size,
   and the platform (the CPU backend's bytes differ between instruction
   sets): only identical configurations share a block.
+- **The prompt's last block**: a producer also stores the partial last
+  block of a prompt (2 or more tokens past its last whole block) once the
+  prompt is computed, under a digest of its tokens chained after the whole
+  blocks' (`_tail_digest`).  A consumer that finds every block of a prompt
+  then loads ``prompt - 1`` tokens and computes only the last one, as after
+  a P/D transfer, not the whole partial block; vLLM's own prefix cache and
+  file connectors hit whole blocks only.  Tails are not KV events (vLLM
+  names whole blocks only).
 - **Scheduler side** (`get_num_new_matched_tokens`): the pool's leading
   hits after vLLM's own prefix hit, never the prompt's last token (vLLM
   computes at least one); `update_state_after_alloc` queues the loads;
@@ -96,6 +104,7 @@ module only translates):
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 from typing import Any
 
@@ -274,13 +283,24 @@ LATENCY_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0
                    0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
+def _tail_digest(tokens, size: int) -> bytes:
+    """The digest, ``size`` bytes like vLLM's block hashes, that a prompt's
+    partial last block of ``tokens`` is stored under (chained after its
+    whole blocks' by `Connector.digest_keys`); tagged, so never a whole
+    block's."""
+    body = b"tract:partial-block:" + np.asarray(tokens, dtype="<i8").tobytes()
+    return hashlib.blake2b(body, digest_size=size).digest()
+
+
 def _stored_events(hashes, parent, tokens, kept: list[int], block_size: int) -> list:
     """`BlockStored` events for the ``kept`` blocks (indices into
-    ``hashes``) of one store: one event per run of consecutive blocks, each
-    chained to the block before it."""
+    ``hashes``; a partial last block past them is no event) of one store:
+    one event per run of consecutive blocks, each chained to the block
+    before it."""
     from vllm.distributed.kv_events import BlockStored
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
+    kept = [at for at in kept if at < len(hashes)]
     events, first = [], 0
     for at in range(1, len(kept) + 1):
         if at < len(kept) and kept[at] == kept[at - 1] + 1:
@@ -378,6 +398,7 @@ class TractConnector(KVConnectorBase_V1, SupportsHMA):
         self._local_hit: dict[str, int] = {}  # tokens vLLM had when it asked us
         self._external: dict[str, int] = {}  # tokens we load
         self._stored: dict[str, int] = {}  # leading blocks queued for storing
+        self._tails: set[str] = set()  # requests whose partial last block is queued
         self._loads: list[BlockJob] = []
         events = getattr(vllm_config, "kv_events_config", None)
         #: KV events (`take_events`): only when vLLM publishes them
@@ -404,9 +425,24 @@ class TractConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ------------------------------------------------------------- keys
 
+    def _digests(self, request) -> tuple[list[bytes], int]:
+        """The digests of a request's blocks, and the tokens they hold: its
+        whole blocks (vLLM's ``block_hashes``), then, while it has not
+        decoded, its prompt's partial last block when that holds 2 tokens
+        or more (a consumer computes the last one itself)."""
+        digests = list(request.block_hashes)
+        whole = len(digests) * self.block_size
+        prompt = request.num_prompt_tokens
+        if request.num_tokens != prompt or prompt - whole < 2 or \
+                (digests and (len(digests[0]) > 64 or len(digests[0]) % 4)):
+            return digests, whole
+        size = len(digests[0]) if digests else 32
+        digests.append(_tail_digest(request.all_token_ids[whole:prompt], size))
+        return digests, prompt
+
     def _keys(self, request, blocks: int) -> np.ndarray:
-        """Keys of the request's first ``blocks`` blocks."""
-        return self.connector.digest_keys(request.block_hashes[:blocks])
+        """Keys of the request's first ``blocks`` blocks (`_digests`)."""
+        return self.connector.digest_keys(self._digests(request)[0][:blocks])
 
     # --------------------------------------------------- scheduler side
 
@@ -415,22 +451,27 @@ class TractConnector(KVConnectorBase_V1, SupportsHMA):
         if not self._consumes:
             return 0, False
         first = num_computed_tokens // self.block_size
-        usable = min(len(request.block_hashes), (request.num_tokens - 1) // self.block_size)
-        if usable <= first:
+        digests, held = self._digests(request)
+        last = min(held, request.num_tokens - 1)  # vLLM computes the last token
+        blocks = -(-last // self.block_size)
+        if blocks <= first:
             return 0, False
-        hits = self.connector.lookup(self._keys(request, usable)[first:]) // self.block_size
+        keys = self.connector.digest_keys(digests[:blocks])
+        hits = self.connector.lookup(keys[first:]) // self.block_size
+        tokens = max(0, min((first + hits) * self.block_size, last) - num_computed_tokens)
         self._local_hit[request.request_id] = num_computed_tokens
-        return hits * self.block_size, self.async_loads and hits > 0
+        return tokens, self.async_loads and tokens > 0
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         request_id = request.request_id
         self._requests[request_id] = request
         if num_external_tokens <= 0:
             return
-        first = self._local_hit.get(request_id, 0) // self.block_size
-        count = num_external_tokens // self.block_size
-        block_ids = blocks.get_block_ids()[0][first:first + count]
-        keys = self._keys(request, first + count)[first:]
+        local = self._local_hit.get(request_id, 0)
+        first = local // self.block_size
+        end = -(-(local + num_external_tokens) // self.block_size)
+        block_ids = blocks.get_block_ids()[0][first:end]
+        keys = self._keys(request, end)[first:]
         self._loads.append(BlockJob(request_id, list(block_ids), keys, self.async_loads))
         self._external[request_id] = self._external.get(request_id, 0) + num_external_tokens
 
@@ -445,14 +486,18 @@ class TractConnector(KVConnectorBase_V1, SupportsHMA):
             request = self._requests.get(request_id)
             if request is None:
                 continue
-            done = min((request.num_computed_tokens + scheduled) // self.block_size,
-                       len(request.block_hashes))
+            computed = request.num_computed_tokens + scheduled
+            done = min(computed // self.block_size, len(request.block_hashes))
             start = self._stored.get(request_id, 0)
-            if done <= start:
+            # the prompt's partial last block, once the prompt is computed
+            tail = request_id not in self._tails and computed >= request.num_prompt_tokens \
+                and len(self._digests(request)[0]) > done
+            if done <= start and not tail:
                 continue
-            block_ids = self._kv_cache_manager.get_block_ids(request_id)[0][start:done]
+            end = done + 1 if tail else done
+            block_ids = self._kv_cache_manager.get_block_ids(request_id)[0][start:end]
             meta.stores.append(BlockJob(request_id, list(block_ids),
-                                        self._keys(request, done)[start:], self.async_saves,
+                                        self._keys(request, end)[start:], self.async_saves,
                                         self._seq))
             if self._events_on:
                 self._announcing[self._seq] = (
@@ -461,6 +506,8 @@ class TractConnector(KVConnectorBase_V1, SupportsHMA):
                     list(request.all_token_ids[start * self.block_size:done * self.block_size]))
             self._seq += 1
             self._stored[request_id] = done
+            if tail:
+                self._tails.add(request_id)
         return meta
 
     def update_connector_output(self, connector_output) -> None:
@@ -493,10 +540,12 @@ class TractConnector(KVConnectorBase_V1, SupportsHMA):
         request_id = request.request_id
         self._requests.pop(request_id, None)
         self._local_hit.pop(request_id, None)
-        stored = self._stored.pop(request_id, 0)  # > 0: stores were queued for it
+        stored = self._stored.pop(request_id, 0)  # whole blocks queued for storing
+        tail = request_id in self._tails
+        self._tails.discard(request_id)
         params = {"tract_external_tokens": self._external.pop(request_id, 0),
                   "tract_stored_blocks": stored}
-        return self.async_saves and stored > 0, params
+        return self.async_saves and (stored > 0 or tail), params
 
     def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]
                                     ) -> tuple[bool, dict[str, Any] | None]:
