@@ -54,11 +54,12 @@ def _methods(cls: ast.ClassDef) -> dict[str, ast.FunctionDef]:
 
 
 def _signature(method: ast.FunctionDef) -> tuple:
-    """Parameter names by kind, and whether it is a class method."""
+    """Parameter names by kind, and whether it is a class method or a property."""
     args = method.args
     decorators = {d.id for d in method.decorator_list if isinstance(d, ast.Name)}
     return ([a.arg for a in args.posonlyargs + args.args], [a.arg for a in args.kwonlyargs],
-            args.vararg is not None, args.kwarg is not None, "classmethod" in decorators)
+            args.vararg is not None, args.kwarg is not None, "classmethod" in decorators,
+            "property" in decorators)
 
 
 def test_every_method_tract_overrides_has_the_signature_of_vllm_0_33(released):
@@ -75,7 +76,7 @@ def test_every_method_tract_overrides_has_the_signature_of_vllm_0_33(released):
         assert ours_sig == their_sig, f"{name}: tract {ours_sig}, vLLM {VERSION} {their_sig}"
     assert {"get_transfer_results", "request_finished_all_groups", "handle_preemptions",
             "take_events", "build_prom_metrics", "build_connector_worker_meta",
-            "update_connector_output"} <= set(overridden)
+            "update_connector_output", "requires_kv_delivery"} <= set(overridden)
 
 
 def test_the_results_and_metrics_tract_builds_exist_in_vllm_0_33(released):

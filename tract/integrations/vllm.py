@@ -56,7 +56,9 @@ module only translates):
   bounded by the pool's timeouts, so nothing waits for ever.  A preempted
   request's queued stores are cancelled in `handle_preemptions`, and a
   running one is waited for, before the step may reuse its blocks; a
-  finished request's queued loads are cancelled.
+  finished request's queued loads are cancelled.  tract is a cache
+  (`requires_kv_delivery` is False): a cancelled store is a later miss, so
+  vLLM lets a preempted producer request finish.
 - **Synchronous** (``"async": false``, and loads on the CPU backend by
   default): loads run in `start_load_kv`,
   before the forward pass (on the CPU backend the copy is the CPU's own
@@ -735,6 +737,14 @@ class TractConnector(KVConnectorBase_V1, SupportsHMA):
         if not hasattr(_metrics, "KVConnectorPromMetrics"):
             return None
         return TractPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """False: tract is a cache.  A producer's store that a preemption
+        cancels is a later miss (the consumer computes those tokens), never
+        a lost hand-off, so vLLM need not recompute a preempted request to
+        deliver it."""
+        return False
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config) -> str | None:
