@@ -526,6 +526,7 @@ def test_publish_lookup_pin_and_unpin(pool_path):
         assert all(r is not None for r in reserved) and all(published)
         assert pool.index.lookup(keys) == 30
         assert pool.index.lookup(keys[5:]) == 25
+        assert pool.index.present(keys).tolist() == [True] * 30 + [False] * 10
         assert pool.index.lookup(hasher(tokens + 1)) == 0
         hits = pool.index.pin(keys)
         assert len(hits) == 30 and [h.tokens for h in hits] == [16] * 30
@@ -544,6 +545,10 @@ def test_publish_lookup_pin_and_unpin(pool_path):
         assert published == [False, False, True, True, False]
         assert pool.index.lookup(keys) == 32
         assert pool.index.stats()["ready"] == 32
+        pool.index.remove(keys[3:5])
+        assert pool.index.lookup(keys) == 3  # a chain stops at the first miss; present does not
+        assert pool.index.present(keys).tolist() == \
+            [True] * 3 + [False] * 2 + [True] * 27 + [False] * 8
         assert fsck(pool_path, watch=False)["ok"]
 
 

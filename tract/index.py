@@ -345,6 +345,10 @@ class Index:
         codes, _, _ = self._probe(keys, leading=True)
         return self._leading(codes)
 
+    def present(self, keys) -> np.ndarray:
+        """Whether each of ``keys`` (not a chain: each on its own) is READY."""
+        return self._probe(_keys(keys), leading=False)[0] == HIT
+
     def pin(self, keys) -> Hits:
         """Pin the leading READY entries of ``keys``: their payloads stay
         until `unpin`."""

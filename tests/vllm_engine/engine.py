@@ -5,12 +5,14 @@ batches of a JSON spec through `vllm.LLM` and writes what came out.
 
 SPEC: ``model`` (a local model directory), ``out`` (where the results go),
 ``batches`` (each ``{"prompts": [[token ids]], "max_tokens": n}``, with
-``"one_by_one": true`` to time each prompt alone, or ``"abort": [indices]``
-to abort those prompts' requests after the first engine step), and optionally
+``"one_by_one": true`` to time each prompt alone, ``"concurrent": k`` to
+serve them k at a time and time each one's first token, or ``"abort":
+[indices]`` to abort those prompts' requests after the first engine step),
+and optionally
 ``kv_transfer_config`` (a dict, as vLLM takes it), ``block_size`` and
 ``num_blocks`` (the KV cache's size in blocks: small, vLLM preempts) with
 ``max_model_len`` (which vLLM wants it to hold), ``kv_events`` (record the
-KV events tract's connector hands vLLM's scheduler).
+KV events tract's connector hands vLLM's scheduler: `_event`).
 Writes ``{"batches": [{"seconds", "outputs": [{"tokens", "finish",
 "cached", "params"}], "each_s"}], "layout": ..., "preemptions": n}``:
 ``layout`` is the worker connector's `tract.transfer.KVLayout` and
@@ -57,6 +59,21 @@ def _record_events(options) -> list:
     return recorded
 
 
+def _event(event) -> dict:
+    """A recorded KV event as JSON: ``kind`` (stored or removed), the block
+    hashes (ints, or digests as hex), the medium; a stored one's parent and
+    token count too."""
+    def name(value):
+        return value.hex() if isinstance(value, bytes) else value
+
+    record = {"kind": "removed", "hashes": [name(h) for h in event.block_hashes],
+              "medium": event.medium}
+    if hasattr(event, "token_ids"):
+        record.update(kind="stored", parent=name(event.parent_block_hash),
+                      tokens=len(event.token_ids))
+    return record
+
+
 def _abort_some(llm, prompts, sampling, aborted: set[int]) -> list:
     """Add every prompt, step once (an asynchronous load is then queued or
     running), abort the requests of the prompts at ``aborted``, and step
@@ -72,6 +89,29 @@ def _abort_some(llm, prompts, sampling, aborted: set[int]) -> list:
             if output.finished:
                 finished[output.request_id] = output
     return [finished[name] for index, name in enumerate(names) if index not in aborted]
+
+
+def _waves(llm, prompts, sampling, width: int) -> tuple[list, list[float]]:
+    """Serve ``prompts`` ``width`` at a time, a wave's requests added at
+    once: their outputs, in prompt order, and each one's time from its
+    wave's start to its first token."""
+    engine = llm.llm_engine
+    results, each = [], []
+    for first in range(0, len(prompts), width):
+        names = [f"wave-{first + index}" for index in range(len(prompts[first:first + width]))]
+        began = time.perf_counter()
+        for name, prompt in zip(names, prompts[first:first + width]):
+            engine.add_request(name, prompt, sampling)
+        first_token, finished = {}, {}
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.outputs[0].token_ids and output.request_id not in first_token:
+                    first_token[output.request_id] = time.perf_counter() - began
+                if output.finished:
+                    finished[output.request_id] = output
+        results += [finished[name] for name in names]
+        each += [first_token[name] for name in names]
+    return results, each
 
 
 def main(spec_path: str) -> None:
@@ -106,6 +146,8 @@ def main(spec_path: str) -> None:
         if batch.get("abort"):  # these prompts' requests are aborted after one engine step
             results = _abort_some(llm, prompts, sampling, set(batch["abort"]))
             each = None
+        elif batch.get("concurrent"):
+            results, each = _waves(llm, prompts, sampling, batch["concurrent"])
         elif batch.get("one_by_one"):
             results, each = [], []
             for prompt in prompts:
@@ -126,13 +168,7 @@ def main(spec_path: str) -> None:
         report["preemptions"] = getattr(group, "preemptions", None)
     _settle(llm)
     if events is not None:
-        report["events"] = [{"hashes": [h.hex() if isinstance(h, bytes) else h
-                                        for h in event.block_hashes],
-                             "parent": event.parent_block_hash.hex()
-                             if isinstance(event.parent_block_hash, bytes)
-                             else event.parent_block_hash,
-                             "medium": event.medium, "tokens": len(event.token_ids)}
-                            for event in events]
+        report["events"] = [_event(event) for event in events]
     llm.llm_engine.engine_core.shutdown()  # the connectors' shutdown: pool counters published
     with open(spec["out"], "w") as sink:
         json.dump(report, sink)

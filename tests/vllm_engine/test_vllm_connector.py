@@ -152,6 +152,20 @@ def _full_blocks(prompt):
     return (len(prompt) - 1) // BLOCK  # vLLM computes at least the last token
 
 
+def _stored_blocks(prompt):
+    """Blocks a producer stores of a prompt: its whole blocks, and its
+    partial last block when that holds 2 tokens or more."""
+    return len(prompt) // BLOCK + (len(prompt) % BLOCK >= 2)
+
+
+def _published(digest: bytes, sample):
+    """A vLLM block hash as its KV events name it, like ``sample``: its 64
+    low bits (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES, the default) or the
+    digest's hex."""
+    return int.from_bytes(digest, "big") & (1 << 64) - 1 if isinstance(sample, int) \
+        else digest.hex()
+
+
 def _loaded_blocks(prompt):
     """Blocks a consumer loads of a prompt the pool holds whole: every one
     that holds a token but the last, the partial last block included."""
@@ -190,12 +204,10 @@ def test_pd_handoff_is_token_exact_with_all_but_the_last_token_external(workdir,
     assert stored == [len(p) // BLOCK for p in prompts]
     events = producer["events"]
     assert {event["medium"] for event in events} == {"CXL"}
+    assert {event["kind"] for event in events} == {"stored"}  # the pool evicted nothing
     announced = [h for event in events for h in event["hashes"]]
     hashes = [h for p in prompts for h in vllm_block_hashes(p, BLOCK)[:len(p) // BLOCK]]
-    # vLLM publishes a hash as its 64 low bits (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES, the
-    # default) or as the digest
-    expected = [int.from_bytes(h, "big") & (1 << 64) - 1 for h in hashes] \
-        if announced and isinstance(announced[0], int) else [h.hex() for h in hashes]
+    expected = [_published(h, announced[0]) for h in hashes]
     assert sorted(announced) == sorted(expected)
     for event in events:
         assert event["tokens"] == BLOCK * len(event["hashes"])
@@ -334,7 +346,14 @@ def test_a_producer_killed_mid_store_costs_the_consumer_only_recomputation(
 
 def test_a_producer_whose_pool_is_too_small_serves_on_and_counts_what_it_did_not_store(
         workdir, model, prompts, reference):
+    """A pool of six blocks: the producer serves on, token-exact, counts
+    every block it could not store, and its KV events say which blocks
+    came and went (stores evict the stalest blocks, and a sweep every step
+    finds the announced ones gone)."""
+    from tract.connector import Connector
     from tract.fsck import fsck
+    from tract.hashing import vllm_block_hashes
+    from tract.transfer import KVLayout
 
     path = f"/dev/shm/tract-vllm-{os.getpid()}-small"
     if os.path.exists(path):
@@ -347,22 +366,40 @@ def test_a_producer_whose_pool_is_too_small_serves_on_and_counts_what_it_did_not
         with Pool.observe(path) as pool:
             assert pool.header.nchunks == 6
         producer = _engine(workdir, "producer-small", model, _decode(prompts),
-                           kv=_tract(path, 1, "kv_producer"))
+                           kv=_tract(path, 1, "kv_producer", events_sweep=0), kv_events=True)
         assert [o["tokens"] for o in producer["batches"][0]["outputs"]] == reference["tokens"]
         counters = _counters(path)[1]
-        blocks = sum(len(prompt) // BLOCK for prompt in prompts)
         assert counters["not_stored"] > 0, counters
-        assert counters["stored_blocks"] + counters["not_stored"] == blocks, counters
+        assert counters["stored_blocks"] + counters["not_stored"] == \
+            sum(map(_stored_blocks, prompts)), counters
         report = fsck(path)
         assert report["ok"] and report["problems"] == [], report["problems"]
+        stored = [h for e in producer["events"] if e["kind"] == "stored" for h in e["hashes"]]
+        removed = [h for e in producer["events"] if e["kind"] == "removed" for h in e["hashes"]]
+        assert removed, "no announced block was found evicted"
+        assert {e["medium"] for e in producer["events"]} == {"CXL"}
+        assert len(set(removed)) == len(removed) and set(removed) <= set(stored)
+        # every block reported removed is gone from the pool
+        with Pool.open(path, 7) as pool:
+            connector = Connector(pool, KVLayout(**producer["layout"]))
+            key_of = {}
+            for prompt in prompts:
+                digests = vllm_block_hashes(prompt, BLOCK)[:len(prompt) // BLOCK]
+                for digest, key in zip(digests, connector.digest_keys(digests)):
+                    key_of[_published(digest, removed[0])] = key
+            assert not pool.index.present(np.array([key_of[h] for h in removed])).any()
+            connector.close()
     finally:
         Pool.destroy(path)
 
 
 #: rounds of the TTFT comparison (each runs every configuration once, in turn)
 ROUNDS = int(os.environ.get("TRACT_VLLM_ROUNDS", "2"))
-#: each prompt this many times a round, one request at a time
+#: each prompt this many times a round, one request at a time, then in waves
 REPEATS = 4
+#: requests served at once in the concurrent waves
+CONCURRENT = 4
+BENCH_LENGTHS = (900, 850, 950, 800, 910)
 
 
 def _cold_memcpy_bandwidth() -> float:
@@ -383,23 +420,34 @@ def _ratios(numerators, denominators) -> dict:
     return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
 
 
-def test_consumer_ttft_through_tract_against_the_example_connector_and_a_local_hit(workdir):
-    """Long prompts on an 8-layer model (so computing a prefix costs more
-    than loading it), one request at a time.  tract, the example connector,
-    a local prefix hit and a null hit run once a round, in turn (A B C D A
-    B C D ...), each round then a ratio (tract with asynchronous loads in
-    the first round only); then tract and the example connector once more
-    beside a process that burns a core.  The local prefix hit (one
-    instance serving a prompt it served before) is vLLM's own floor; it
-    hits whole blocks only.  The null hit is vLLM's DecodeBenchConnector
-    (every token but the last counted as loaded, nothing copied: its tokens
-    are not checked): the floor of any connector that loads what tract
-    loads."""
-    model = _llama(workdir / "bench-llama", layers=8, hidden=512, heads=8, intermediate=2048)
-    rng = np.random.default_rng(11)
-    prompts = [rng.integers(0, 1024, n).tolist() for n in (900, 850, 950, 800, 910)]
+@pytest.fixture(scope="module")
+def bench_model(workdir):
+    """An 8-layer model: computing a prefix costs more than loading it."""
+    return _llama(workdir / "bench-llama", layers=8, hidden=512, heads=8, intermediate=2048)
+
+
+def _bench_prompts(seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 1024, n).tolist() for n in BENCH_LENGTHS]
+
+
+def test_consumer_ttft_through_tract_against_the_example_connector_and_a_local_hit(
+        workdir, bench_model):
+    """Long prompts, one request at a time, then in waves of `CONCURRENT`.
+    tract, the example connector, a local prefix hit and a null hit run
+    once a round, in turn (A B C D A B C D ...), each round then a ratio
+    (tract with asynchronous loads in the first round only); then tract and
+    the example connector once more beside a process that burns a core.
+    The local prefix hit (one instance serving a prompt it served before)
+    is vLLM's own floor; it hits whole blocks only.  The null hit is vLLM's
+    DecodeBenchConnector (every token but the last counted as loaded,
+    nothing copied: its tokens are not checked): the floor of any
+    connector that loads what tract loads."""
+    model, prompts = bench_model, _bench_prompts(11)
     once = {"prompts": prompts, "max_tokens": 1, "one_by_one": True}
-    timed = [{**once, "prompts": prompts * REPEATS}]  # the last batch is timed
+    # the last two batches are timed: one by one, then in waves
+    timed = [{**once, "prompts": prompts * REPEATS},
+             {"prompts": prompts * REPEATS, "max_tokens": 1, "concurrent": CONCURRENT}]
     pool_path = _pool(workdir, "ttft")
     disk = workdir / "example-connector"
     example = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
@@ -415,6 +463,7 @@ def test_consumer_ttft_through_tract_against_the_example_connector_and_a_local_h
         "null_hit": dict(batches=timed, kv=null),
     }
     quiet = {name: [] for name in configs}
+    waves = {name: [] for name in configs}
     burned = {}
     try:
         _store(workdir, "bench-producer", model, prompts, pool_path, 1)
@@ -433,19 +482,21 @@ def test_consumer_ttft_through_tract_against_the_example_connector_and_a_local_h
                 for name in names:
                     config = configs[name]
                     report = _engine(workdir, f"bench-{name}-{round_}", model, **config)
-                    batch = report["batches"][-1]
-                    tokens = [o["tokens"] for o in batch["outputs"]]
-                    expected = expected or tokens
-                    assert tokens == expected or name == "null_hit", name
-                    if name.startswith("tract"):
-                        layout = report["layout"]
-                        assert [o["params"]["tract_external_tokens"] for o in batch["outputs"]] \
-                            == [len(p) - 1 for p in prompts] * REPEATS
-                    ttft = statistics.median(batch["each_s"])
+                    alone, concurrent = report["batches"][-2:]
+                    for batch in (alone, concurrent):
+                        tokens = [o["tokens"] for o in batch["outputs"]]
+                        expected = expected or tokens
+                        assert tokens == expected or name == "null_hit", name
+                        if name.startswith("tract"):
+                            layout = report["layout"]
+                            assert [o["params"]["tract_external_tokens"]
+                                    for o in batch["outputs"]] \
+                                == [len(p) - 1 for p in prompts] * REPEATS
                     if burner is None:
-                        quiet[name].append(ttft)
+                        quiet[name].append(statistics.median(alone["each_s"]))
+                        waves[name].append(statistics.median(concurrent["each_s"]))
                     else:
-                        burned[name] = ttft
+                        burned[name] = statistics.median(alone["each_s"])
             finally:
                 if burner is not None:
                     burner.kill()
@@ -472,7 +523,14 @@ def test_consumer_ttft_through_tract_against_the_example_connector_and_a_local_h
         "tract_over_local_hit": _ratios(tract, quiet["local_prefix_hit"]),
         "tract_over_null_hit": _ratios(tract, quiet["null_hit"]),
         "tract_async_loads_over_tract": quiet["tract_async_loads"][0] / tract[0],
+        f"waves_of_{CONCURRENT}": {
+            "ttft_median_s": {name: statistics.median(values) for name, values in waves.items()},
+            "tract_over_example": _ratios(waves["tract"], waves["example_connector"]),
+            "tract_over_local_hit": _ratios(waves["tract"], waves["local_prefix_hit"]),
+            "tract_over_null_hit": _ratios(waves["tract"], waves["null_hit"]),
+            "tract_async_loads_over_tract": waves["tract_async_loads"][0] / waves["tract"][0]},
         "beside_a_core_burner_s": burned,
+        "tract_over_example_beside_the_burner": burned["tract"] / burned["example_connector"],
         "moved_by_the_burner": {name: burned[name] / statistics.median(quiet[name])
                                 for name in burned},
         "load_bound": {"bytes_loaded": loaded, "cold_memcpy_bytes_per_s": bandwidth,
@@ -481,11 +539,53 @@ def test_consumer_ttft_through_tract_against_the_example_connector_and_a_local_h
                        "tract_over_null_hit_bound": statistics.median(tract) / null_bound},
         "recovered_after_kill_s": REPORT.get("recovered_s"),
     }
-    print("\nvLLM consumer TTFT (one request at a time):", json.dumps(report))
+    REPORT["ttft"] = report
+    print("\nvLLM consumer TTFT:", json.dumps(report))
+    _write_report()
+    assert all(value > 0 for values in quiet.values() for value in values)
+
+
+def test_producer_throughput_with_tract_against_no_connector(workdir, bench_model):
+    """A producer's prompt tokens a second through tract (it stores every
+    block, asynchronously: vLLM's default path for tract) and with no
+    connector, in alternating rounds (A B A B), each round with prompts of
+    its own (so every block is new to the pool), served all at once."""
+    pool_path = _pool(workdir, "throughput")
+    rates = {"tract": [], "no_connector": []}
+    try:
+        for round_ in range(ROUNDS):
+            prompts = _bench_prompts(100 + round_) * REPEATS
+            warm = {"prompts": prompts[:2], "max_tokens": 1}
+            timed = {"prompts": prompts, "max_tokens": 1}
+            outputs = {}
+            for name, kv in (("tract", _tract(pool_path, 1, "kv_producer")),
+                             ("no_connector", None)):
+                report = _engine(workdir, f"throughput-{name}-{round_}", bench_model,
+                                 [warm, timed], kv=kv)
+                batch = report["batches"][-1]
+                outputs[name] = [o["tokens"] for o in batch["outputs"]]
+                rates[name].append(sum(map(len, prompts)) / batch["seconds"])
+            assert outputs["tract"] == outputs["no_connector"]
+        with Pool.observe(pool_path) as pool:
+            stored = pool.counters()[1].get("stored_blocks", 0)
+        blocks = sum(map(_stored_blocks, _bench_prompts(100)))
+        assert stored >= ROUNDS * blocks, f"tract stored {stored} blocks of {ROUNDS * blocks}"
+    finally:
+        Pool.destroy(pool_path)
+    REPORT["producer_throughput"] = {
+        "prompt_tokens_per_s": rates, "rounds": ROUNDS,
+        "tract_over_no_connector": _ratios(rates["tract"], rates["no_connector"])}
+    print("\nvLLM producer throughput:", json.dumps(REPORT["producer_throughput"]))
+    _write_report()
+    assert all(rate > 0 for values in rates.values() for rate in values)
+
+
+def _write_report() -> None:
+    """Everything measured so far, to ``$TRACT_VLLM_REPORT`` when set."""
     if os.environ.get("TRACT_VLLM_REPORT"):
         with open(os.environ["TRACT_VLLM_REPORT"], "w") as sink:
-            json.dump(report, sink, indent=2)
-    assert all(value > 0 for values in quiet.values() for value in values)
+            json.dump({key: value for key, value in REPORT.items() if key != "recovered_s"},
+                      sink, indent=2)
 
 
 def test_metrics_reach_vllms_prometheus_exposition_and_stats_aggregate():
@@ -523,6 +623,7 @@ def test_metrics_reach_vllms_prometheus_exposition_and_stats_aggregate():
 @pytest.mark.parametrize("extra, match", [
     ({"pool": "p", "node": 1, "asynch": True}, r"unknown key\(s\) \['asynch'\]"),
     ({"pool": "p", "node": 1, "async": "maybe"}, "async must be true or false"),
+    ({"pool": "p", "node": 1, "events_sweep": -1}, "events_sweep must be a number of seconds"),
     ({"node": 1}, "needs 'pool'"),
 ])
 def test_bad_options_are_refused_by_name(extra, match):

@@ -18,7 +18,9 @@ that must match for two instances to share blocks; default the served
 model name), ``timeout`` (seconds a pool lock may be waited for, and a queued
 transfer may wait to start; default 30), ``async_loads`` and ``async_saves``
 (loads, stores on the worker's transfer thread, not inside the step;
-defaults: loads on GPUs only, stores everywhere), ``async`` (sets both).
+defaults: loads on GPUs only, stores everywhere), ``async`` (sets both),
+``events_sweep`` (seconds between two looks for announced blocks gone from
+the rack; default 1).
 
 What the adapter does (the work is `tract.connector.Connector`'s; this
 module only translates):
@@ -93,7 +95,8 @@ module only translates):
   before it) for each block a store put in the rack, once every worker
   reported the store ended (`build_connector_worker_meta`,
   `update_connector_output`), so a KV-aware router sees what the rack
-  holds.
+  holds; and a `BlockRemoved` for announced blocks later found gone
+  (evicted by any process of any node: `_sweep`).
 - **Metrics**: vLLM counts tract's hits as ``host`` in
   ``vllm:prompt_tokens_cached_by_source``; `get_kv_connector_stats` reports the connector's counts per
   step (`TractConnectorStats`: hits, misses, stored and not stored
@@ -105,9 +108,11 @@ module only translates):
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import logging
+import time
 from typing import Any
 
 import numpy as np
@@ -147,7 +152,11 @@ SupportsHMA = getattr(_base, "SupportsHMA", object)
 TransferResults = getattr(_base, "KVConnectorTransferResults", None)
 WorkerMetadata = getattr(_base, "KVConnectorWorkerMetadata", object)
 #: the adapter's own keys of ``kv_connector_extra_config`` (beside `Options`)
-ADAPTER_KEYS = ("model_id", "async", "async_loads", "async_saves")
+ADAPTER_KEYS = ("model_id", "async", "async_loads", "async_saves", "events_sweep")
+#: BlockRemoved: the blocks this instance announced, checked this many a sweep (round
+#: robin), and at most this many tracked (the oldest beyond are reported removed)
+SWEEP_KEYS = 4096
+TRACKED_MAX = 1 << 17
 #: the medium named in tract's KV events (vLLM's own are GPU, CPU and STORAGE)
 MEDIUM = "CXL"
 
@@ -378,6 +387,13 @@ class TractConnector(KVConnectorBase_V1, SupportsHMA):
                                 "async_loads", where)
         self.async_saves = flag(extra.get("async_saves", True if both is None else both),
                                 "async_saves", where)
+        try:
+            self._sweep_every = float(extra.get("events_sweep", 1.0))
+        except (TypeError, ValueError):
+            self._sweep_every = -1.0
+        if not self._sweep_every >= 0:
+            raise ConfigError(f"{where}: events_sweep must be a number of seconds, 0 or more; "
+                              f"got {extra['events_sweep']!r}")
         self._produces, self._consumes = transfer.is_kv_producer, transfer.is_kv_consumer
         groups = len(getattr(kv_cache_config, "kv_cache_groups", None) or ())
         if groups > 1:  # tract's keys name one group's blocks: it stands aside, never half-loads
@@ -405,10 +421,13 @@ class TractConnector(KVConnectorBase_V1, SupportsHMA):
         events = getattr(vllm_config, "kv_events_config", None)
         #: KV events (`take_events`): only when vLLM publishes them
         self._events_on = bool(events is not None and events.enable_kv_cache_events)
+        self._next_sweep = 0.0
+        #: announced blocks, oldest first: tract key (16 bytes) -> vLLM block hash
+        self._in_rack: collections.OrderedDict[bytes, Any] = collections.OrderedDict()
         parallel = vllm_config.parallel_config
         self._workers = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
         self._seq = 0
-        self._announcing: dict[int, tuple] = {}  # store seq -> (hashes, parent, tokens)
+        self._announcing: dict[int, tuple] = {}  # store seq -> (hashes, parent, tokens, keys)
         self._reports: dict[int, tuple[int, frozenset[int]]] = {}  # partial, across steps
         self._events: list = []
         # worker side
@@ -505,7 +524,8 @@ class TractConnector(KVConnectorBase_V1, SupportsHMA):
                 self._announcing[self._seq] = (
                     request.block_hashes[start:done],
                     request.block_hashes[start - 1] if start else None,
-                    list(request.all_token_ids[start * self.block_size:done * self.block_size]))
+                    list(request.all_token_ids[start * self.block_size:done * self.block_size]),
+                    meta.stores[-1].keys[:done - start])
             self._seq += 1
             self._stored[request_id] = done
             if tail:
@@ -525,13 +545,50 @@ class TractConnector(KVConnectorBase_V1, SupportsHMA):
                 continue
             announced = self._announcing.pop(seq, None)
             if announced is not None and kept:
-                self._events += _stored_events(*announced, sorted(kept), self.block_size)
+                hashes, parent, tokens, keys = announced
+                self._events += _stored_events(hashes, parent, tokens, sorted(kept),
+                                               self.block_size)
+                for at in kept:
+                    if at < len(hashes):
+                        self._in_rack[keys[at].tobytes()] = hashes[at]
+                        self._in_rack.move_to_end(keys[at].tobytes())
 
     def take_events(self):
         """`BlockStored` events (medium ``CXL``) of the blocks this
-        connector stored into the rack, as the workers confirmed them."""
+        connector stored into the rack, as the workers confirmed them, and
+        `BlockRemoved` events of those found gone (`_sweep`)."""
+        if self._events_on:
+            self._sweep()
         events, self._events = self._events, []
         return events
+
+    def _sweep(self) -> None:
+        """At most every ``events_sweep`` seconds: a `BlockRemoved` of the
+        announced blocks no longer in the rack (evicted by any process of
+        any node), `SWEEP_KEYS` of them looked up at a time, round robin.
+        Beyond `TRACKED_MAX` announced blocks the oldest are reported
+        removed and forgotten, so a router's view of the rack never holds
+        more than the rack (a later miss, never a wrong route)."""
+        now = time.monotonic()
+        if now < self._next_sweep or not self._in_rack:
+            return
+        self._next_sweep = now + self._sweep_every
+        gone = [self._in_rack.popitem(last=False)[1]
+                for _ in range(len(self._in_rack) - TRACKED_MAX)]
+        looked = list(zip(range(SWEEP_KEYS), self._in_rack.items()))
+        keys = np.frombuffer(b"".join(key for _, (key, _) in looked), np.uint64).reshape(-1, 2)
+        for (_, (key, block_hash)), here in zip(looked, self.connector.index.present(keys)):
+            if here:
+                self._in_rack.move_to_end(key)
+            else:
+                del self._in_rack[key]
+                gone.append(block_hash)
+        if gone:
+            from vllm.distributed.kv_events import BlockRemoved
+            from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+            self._events.append(BlockRemoved(
+                block_hashes=[maybe_convert_block_hash(h) for h in gone], medium=MEDIUM))
 
     def request_finished(self, request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
