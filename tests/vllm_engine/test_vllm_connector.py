@@ -5,9 +5,9 @@ weights, float32, eager.
 
 1. P/D: a producer prefills (``max_tokens=1``), a consumer on another node
    decodes: token-exact against a plain instance, and external hits for
-   every full block the consumer may take (all but the last token); with
-   loads and stores asynchronous and synchronous; the producer's KV events
-   name every block it stored.
+   every token but the last (the prompts' partial last blocks included);
+   with loads and stores asynchronous and synchronous; the producer's KV
+   events name every whole block it stored.
 2. Negative control: one stored block corrupted in the pool is a load
    error (a checksum failure on the consumer's node), and the consumer's
    tokens stay exact (vLLM recomputes from that block).
@@ -16,16 +16,19 @@ weights, float32, eager.
 4. A producer killed by SIGKILL mid-store: the consumer finishes in bounded
    time, token-exact, recomputing what is missing; fsck repairs to clean.
 5. A producer whose pool is smaller than one of its prompts serves on,
-   token-exact, and counts every block it could not store.
+   token-exact, counts every block it could not store, and its KV events
+   report the blocks it stored and those later evicted (BlockRemoved).
 6. Preemption under a small KV cache, and requests aborted mid-load.
 7. Options refused by name; the Prometheus exposition.
 
 Also measured (printed, and written to ``$TRACT_VLLM_REPORT`` when set): the
 consumer's time to first token through tract (loads synchronous and
-asynchronous), through vLLM's ExampleConnector (files on disk) and from a
-local prefix hit, in alternating rounds, then beside a core burner; with no
-connector; and the bound the issue sets (local hit + 1.2 x bytes / cold
-memcpy bandwidth).
+asynchronous), through vLLM's ExampleConnector (files on disk), from a
+local prefix hit and from a null hit (vLLM's DecodeBenchConnector: nothing
+copied), in alternating rounds, one request at a time and in waves of 4,
+then beside a core burner; with no connector; the bound the issue sets
+(local hit + 1.2 x bytes / cold memcpy bandwidth); and a producer's prompt
+tokens a second with tract and with no connector, in alternating rounds.
 """
 
 import json
