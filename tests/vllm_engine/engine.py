@@ -7,8 +7,14 @@ SPEC: ``model`` (a local model directory), ``out`` (where the results go),
 ``batches`` (each ``{"prompts": [[token ids]], "max_tokens": n}``, with
 ``"one_by_one": true`` to time each prompt alone, ``"concurrent": k`` to
 serve them k at a time and time each one's first token, or ``"abort":
-[indices]`` to abort those prompts' requests after the first engine step),
-and optionally
+[indices]`` to abort those prompts' requests after the first engine step;
+``"remote_decode": true`` asks a NixlConnector producer to keep each
+request's blocks for a decoder, ``"params_from": path`` with
+``"params_offset": n`` gives request i the kv_transfer_params at n + i of
+the list a producer wrote there), and optionally ``params_out`` and
+``serve_until`` (after the batches: write every output's kv_transfer_params
+there, then step the engine, serving NIXL's reads, until ``serve_until``
+exists), and
 ``kv_transfer_config`` (a dict, as vLLM takes it), ``block_size`` and
 ``num_blocks`` (the KV cache's size in blocks: small, vLLM preempts) with
 ``max_model_len`` (which vLLM wants it to hold), ``kv_events`` (record the
@@ -22,8 +28,31 @@ Writes ``{"batches": [{"seconds", "outputs": [{"tokens", "finish",
 
 import dataclasses
 import json
+import os
 import sys
 import time
+
+
+def _json_when_there(path: str, timeout: float = 600.0):
+    """The JSON at ``path`` once another process wrote it (by rename)."""
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"nothing at {path} after {timeout} s")
+        time.sleep(0.05)
+    with open(path) as source:
+        return json.load(source)
+
+
+def _serve_until(llm, path: str, timeout: float = 600.0) -> None:
+    """Step the engine, so that it serves a decoder's reads of the blocks
+    it keeps and frees them, until ``path`` exists."""
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        if scheduler.has_requests():
+            llm.llm_engine.step()
+        time.sleep(0.005)
 
 
 def _settle(llm, timeout: float = 120.0) -> None:
@@ -74,13 +103,14 @@ def _event(event) -> dict:
     return record
 
 
-def _abort_some(llm, prompts, sampling, aborted: set[int]) -> list:
+def _abort_some(llm, prompts, samplings, aborted: set[int]) -> list:
     """Add every prompt, step once (an asynchronous load is then queued or
     running), abort the requests of the prompts at ``aborted``, and step
     until the others finish; their outputs, in prompt order."""
     engine = llm.llm_engine
     names = [f"abort-{index}" for index in range(len(prompts))]  # outputs carry these
-    ids = [engine.add_request(name, prompt, sampling) for name, prompt in zip(names, prompts)]
+    ids = [engine.add_request(name, prompt, sampling)
+           for name, prompt, sampling in zip(names, prompts, samplings)]
     engine.step()
     engine.abort_request([ids[index] for index in sorted(aborted)], internal=True)
     finished = {}
@@ -91,7 +121,7 @@ def _abort_some(llm, prompts, sampling, aborted: set[int]) -> list:
     return [finished[name] for index, name in enumerate(names) if index not in aborted]
 
 
-def _waves(llm, prompts, sampling, width: int) -> tuple[list, list[float]]:
+def _waves(llm, prompts, samplings, width: int) -> tuple[list, list[float]]:
     """Serve ``prompts`` ``width`` at a time, a wave's requests added at
     once: their outputs, in prompt order, and each one's time from its
     wave's start to its first token."""
@@ -100,7 +130,8 @@ def _waves(llm, prompts, sampling, width: int) -> tuple[list, list[float]]:
     for first in range(0, len(prompts), width):
         names = [f"wave-{first + index}" for index in range(len(prompts[first:first + width]))]
         began = time.perf_counter()
-        for name, prompt in zip(names, prompts[first:first + width]):
+        for name, prompt, sampling in zip(names, prompts[first:first + width],
+                                          samplings[first:first + width]):
             engine.add_request(name, prompt, sampling)
         first_token, finished = {}, {}
         while engine.has_unfinished_requests():
@@ -139,25 +170,40 @@ def main(spec_path: str) -> None:
                 for r in results]
 
     for batch in spec["batches"]:
-        sampling = SamplingParams(max_tokens=batch["max_tokens"], temperature=0.0,
-                                  ignore_eos=True)
         prompts = [TokensPrompt(prompt_token_ids=p) for p in batch["prompts"]]
+        transfer = [None] * len(prompts)
+        if batch.get("remote_decode"):
+            transfer = [{"do_remote_decode": True}] * len(prompts)
+        elif batch.get("params_from"):
+            at = batch.get("params_offset", 0)
+            transfer = _json_when_there(batch["params_from"])[at:at + len(prompts)]
+        samplings = [SamplingParams(max_tokens=batch["max_tokens"], temperature=0.0,
+                                    ignore_eos=True,
+                                    extra_args=None if params is None
+                                    else {"kv_transfer_params": params})
+                     for params in transfer]
         started = time.perf_counter()
         if batch.get("abort"):  # these prompts' requests are aborted after one engine step
-            results = _abort_some(llm, prompts, sampling, set(batch["abort"]))
+            results = _abort_some(llm, prompts, samplings, set(batch["abort"]))
             each = None
         elif batch.get("concurrent"):
-            results, each = _waves(llm, prompts, sampling, batch["concurrent"])
+            results, each = _waves(llm, prompts, samplings, batch["concurrent"])
         elif batch.get("one_by_one"):
             results, each = [], []
-            for prompt in prompts:
+            for prompt, sampling in zip(prompts, samplings):
                 began = time.perf_counter()
                 results += llm.generate([prompt], sampling, use_tqdm=False)
                 each.append(time.perf_counter() - began)
         else:
-            results, each = llm.generate(prompts, sampling, use_tqdm=False), None
+            results, each = llm.generate(prompts, samplings, use_tqdm=False), None
         report["batches"].append({"seconds": time.perf_counter() - started,
                                   "outputs": outputs(results), "each_s": each})
+    if spec.get("params_out"):
+        written = spec["params_out"] + ".tmp"
+        with open(written, "w") as sink:
+            json.dump([o["params"] for b in report["batches"] for o in b["outputs"]], sink)
+        os.replace(written, spec["params_out"])
+        _serve_until(llm, spec["serve_until"])
     from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
     if has_kv_transfer_group():

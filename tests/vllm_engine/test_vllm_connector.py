@@ -31,8 +31,10 @@ then beside a core burner; with no connector; the bound the issue sets
 tokens a second with tract and with no connector, in alternating rounds.
 """
 
+import importlib.util
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -102,17 +104,26 @@ def _tract(pool, node, role="kv_both", **extra):
 
 
 def _engine(workdir, name, model, batches, kv=None, env=None, timeout=600, check=True,
-            num_blocks=None, max_model_len=None, kv_events=False, prefix_caching=False):
+            num_blocks=None, max_model_len=None, kv_events=False, prefix_caching=False,
+            background=False, **spec):
     """Run one vLLM instance over ``batches``; its report (None when the
-    process died and ``check`` is false)."""
+    process died and ``check`` is false).  ``spec``: more of `engine.py`'s
+    keys.  ``background``: start it and return (its process, its report's
+    path)."""
     out = workdir / f"{name}.json"
-    spec = workdir / f"{name}.spec.json"
-    spec.write_text(json.dumps({"model": model, "out": str(out), "batches": batches,
+    path = workdir / f"{name}.spec.json"
+    path.write_text(json.dumps({"model": model, "out": str(out), "batches": batches,
                                 "kv_transfer_config": kv, "block_size": BLOCK,
                                 "num_blocks": num_blocks, "max_model_len": max_model_len,
-                                "kv_events": kv_events, "prefix_caching": prefix_caching}))
-    done = subprocess.run([sys.executable, ENGINE, str(spec)], env=_env(workdir, **(env or {})),
-                          capture_output=True, text=True, timeout=timeout)
+                                "kv_events": kv_events, "prefix_caching": prefix_caching,
+                                **spec}))
+    command = [sys.executable, ENGINE, str(path)]
+    if background:
+        log = open(workdir / f"{name}.log", "w")
+        return subprocess.Popen(command, env=_env(workdir, **(env or {})), stdout=log,
+                                stderr=subprocess.STDOUT), out
+    done = subprocess.run(command, env=_env(workdir, **(env or {})), capture_output=True,
+                          text=True, timeout=timeout)
     if done.returncode != 0:
         if check:
             raise AssertionError(f"vLLM instance {name} exited with {done.returncode}:\n"
@@ -423,6 +434,59 @@ def _ratios(numerators, denominators) -> dict:
     return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
 
 
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _nixl(role: str) -> dict:
+    """vLLM's NixlConnector on host buffers (UCX), its blocks kept for a
+    decoder for up to 600 s."""
+    return {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu",
+            "engine_id": role, "kv_connector_extra_config": {"backends": ["UCX"],
+                                                             "kv_lease_duration": 600}}
+
+
+#: NIXL's environment: its side channel on 127.0.0.1; UCX without its EFA module (the
+#: wheel's libuct_ib_efa loads the system libibverbs beside the wheel's own, and the two
+#: copies of libnl-route crash in their exit handlers)
+NIXL_ENV = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "UCX_MODULES": "^efa"}
+
+
+def _nixl_pd(workdir, name, model, timed) -> dict:
+    """A P/D pair through NixlConnector, as vLLM runs it: a producer
+    prefills every request of the consumer's ``timed`` batches
+    (``do_remote_decode``) and serves NIXL's reads of their blocks while
+    the consumer decodes them (each request with its producer request's
+    kv_transfer_params); the consumer's report."""
+    params, done = workdir / f"{name}.params.json", workdir / f"{name}.done"
+    for stale in (params, done):
+        stale.unlink(missing_ok=True)
+    every = [prompt for batch in timed for prompt in batch["prompts"]]
+    producer, _ = _engine(workdir, f"{name}-producer", model,
+                          [{"prompts": every, "max_tokens": 1, "remote_decode": True}],
+                          kv=_nixl("kv_producer"), background=True, params_out=str(params),
+                          serve_until=str(done),
+                          env={**NIXL_ENV, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(_free_port())})
+    try:
+        batches, offset = [], 0
+        for batch in timed:
+            batches.append({**batch, "params_from": str(params), "params_offset": offset})
+            offset += len(batch["prompts"])
+        return _engine(workdir, f"{name}-consumer", model, batches, kv=_nixl("kv_consumer"),
+                       env={**NIXL_ENV, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(_free_port())})
+    finally:
+        done.touch()
+        try:
+            producer.wait(timeout=180)
+        except subprocess.TimeoutExpired:
+            producer.kill()
+            producer.wait()
+        assert producer.returncode == 0, \
+            f"the NIXL producer exited with {producer.returncode}: see {name}-producer.log"
+
+
 @pytest.fixture(scope="module")
 def bench_model(workdir):
     """An 8-layer model: computing a prefix costs more than loading it."""
@@ -437,15 +501,17 @@ def _bench_prompts(seed: int) -> list[list[int]]:
 def test_consumer_ttft_through_tract_against_the_example_connector_and_a_local_hit(
         workdir, bench_model):
     """Long prompts, one request at a time, then in waves of `CONCURRENT`.
-    tract, the example connector, a local prefix hit and a null hit run
-    once a round, in turn (A B C D A B C D ...), each round then a ratio
-    (tract with asynchronous loads in the first round only); then tract and
-    the example connector once more beside a process that burns a core.
-    The local prefix hit (one instance serving a prompt it served before)
-    is vLLM's own floor; it hits whole blocks only.  The null hit is vLLM's
-    DecodeBenchConnector (every token but the last counted as loaded,
-    nothing copied: its tokens are not checked): the floor of any
-    connector that loads what tract loads."""
+    tract, the example connector, a local prefix hit, a null hit and
+    NixlConnector run once a round, in turn (A B C D E A B C D E ...), each
+    round then a ratio (tract with asynchronous loads in the first round
+    only); then tract and the example connector once more beside a process
+    that burns a core.  The local prefix hit (one instance serving a prompt
+    it served before) is vLLM's own floor; it hits whole blocks only.  The
+    null hit is vLLM's DecodeBenchConnector (every token but the last
+    counted as loaded, nothing copied: its tokens are not checked): the
+    floor of any connector that loads what tract loads.  NixlConnector
+    (the paper's baseline; UCX on host buffers) decodes what a producer
+    running beside it prefilled."""
     model, prompts = bench_model, _bench_prompts(11)
     once = {"prompts": prompts, "max_tokens": 1, "one_by_one": True}
     # the last two batches are timed: one by one, then in waves
@@ -465,6 +531,11 @@ def test_consumer_ttft_through_tract_against_the_example_connector_and_a_local_h
         "local_prefix_hit": dict(batches=[once] + timed, prefix_caching=True),
         "null_hit": dict(batches=timed, kv=null),
     }
+    # vLLM's NixlConnector, the paper's baseline, where nixl is installed (make test-vllm's
+    # environment has it): a producer and a consumer at once (`_nixl_pd`)
+    nixl = importlib.util.find_spec("nixl") is not None
+    if nixl:
+        configs["nixl"] = {}
     quiet = {name: [] for name in configs}
     waves = {name: [] for name in configs}
     burned = {}
@@ -483,8 +554,9 @@ def test_consumer_ttft_through_tract_against_the_example_connector_and_a_local_h
                                             if name != "tract_async_loads"]
             try:
                 for name in names:
-                    config = configs[name]
-                    report = _engine(workdir, f"bench-{name}-{round_}", model, **config)
+                    report = _nixl_pd(workdir, f"bench-nixl-{round_}", model, timed) \
+                        if name == "nixl" else \
+                        _engine(workdir, f"bench-{name}-{round_}", model, **configs[name])
                     alone, concurrent = report["batches"][-2:]
                     for batch in (alone, concurrent):
                         tokens = [o["tokens"] for o in batch["outputs"]]
@@ -525,12 +597,15 @@ def test_consumer_ttft_through_tract_against_the_example_connector_and_a_local_h
         "tract_over_example": _ratios(tract, quiet["example_connector"]),
         "tract_over_local_hit": _ratios(tract, quiet["local_prefix_hit"]),
         "tract_over_null_hit": _ratios(tract, quiet["null_hit"]),
+        "tract_over_nixl": _ratios(tract, quiet["nixl"]) if nixl else
+        "not run: nixl is not installed in this environment",
         "tract_async_loads_over_tract": quiet["tract_async_loads"][0] / tract[0],
         f"waves_of_{CONCURRENT}": {
             "ttft_median_s": {name: statistics.median(values) for name, values in waves.items()},
             "tract_over_example": _ratios(waves["tract"], waves["example_connector"]),
             "tract_over_local_hit": _ratios(waves["tract"], waves["local_prefix_hit"]),
             "tract_over_null_hit": _ratios(waves["tract"], waves["null_hit"]),
+            "tract_over_nixl": _ratios(waves["tract"], waves["nixl"]) if nixl else None,
             "tract_async_loads_over_tract": waves["tract_async_loads"][0] / waves["tract"][0]},
         "beside_a_core_burner_s": burned,
         "tract_over_example_beside_the_burner": burned["tract"] / burned["example_connector"],
