@@ -718,3 +718,35 @@ def test_bad_options_are_refused_by_name(extra, match):
         kv_role="kv_both", kv_connector_extra_config=extra))
     with pytest.raises(ConfigError, match=match):
         TractConnector(config, KVConnectorRole.SCHEDULER, None)
+
+
+def test_tract_serves_one_group_of_full_attention_and_stands_aside_otherwise():
+    """Hybrid models (several KV cache groups) and sliding-window ones
+    (vLLM hands the connector its null block for blocks out of the window)
+    are not served; one group of full attention is, and so is an unknown
+    config (a vLLM that does not say)."""
+    import types
+
+    import torch
+    from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheGroupSpec,
+                                            SlidingWindowSpec, UniformTypeKVCacheSpecs)
+
+    from tract.integrations.vllm import _unserved
+
+    shape = dict(block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.float32)
+    full = FullAttentionSpec(**shape)
+    window = SlidingWindowSpec(**shape, sliding_window=48)
+
+    def config(*specs):
+        return types.SimpleNamespace(kv_cache_groups=[
+            KVCacheGroupSpec([f"layers.{i}"], spec) for i, spec in enumerate(specs)])
+
+    assert _unserved(config(full)) is None
+    assert _unserved(None) is None
+    assert _unserved(config(UniformTypeKVCacheSpecs(
+        block_size=BLOCK, kv_cache_specs={"a": full, "b": full}))) is None
+    assert _unserved(config(window, full)) == "2 groups (a hybrid model)"
+    assert _unserved(config(window)) == "layers of SlidingWindowSpec"
+    assert _unserved(config(UniformTypeKVCacheSpecs(
+        block_size=BLOCK, kv_cache_specs={"a": window, "b": window}))) == \
+        "layers of SlidingWindowSpec"

@@ -87,9 +87,11 @@ module only translates):
   ``tract_stored_blocks``); `shutdown` closes the connector and the pool.
 - **Hybrid KV cache manager**: the connector is `SupportsHMA`
   (`request_finished_all_groups`), so vLLM keeps that manager on.  A model
-  with one KV cache group (every non-hybrid model) is served as above; for
-  a hybrid model (several groups) tract stands aside, with a warning: it
-  loads and stores nothing, rather than fill one group of a block.
+  with one KV cache group of full attention is served as above; for a
+  hybrid model (several groups), or one whose layers drop blocks (sliding
+  window, Mamba, chunked local attention: vLLM hands the connector the
+  null block for those), tract stands aside, with a warning: it loads and
+  stores nothing, rather than fill one group of a block (`_unserved`).
 - **KV events** (when vLLM's ``kv_events_config`` turns them on):
   `take_events` yields a `BlockStored` (medium ``CXL``, chained to the block
   before it) for each block a store put in the rack, once every worker
@@ -294,6 +296,29 @@ LATENCY_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0
                    0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
+#: the KV cache specs tract serves: every layer keeps every block of its tokens
+SERVED_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
+
+
+def _unserved(kv_cache_config) -> str | None:
+    """What of a KV cache tract cannot serve, or None: it serves one group
+    of full attention.  A hybrid model has several groups, and a
+    sliding-window (or Mamba, chunked-local...) group hands the connector
+    the null block (id 0) for blocks out of its window, which must be
+    neither loaded into nor stored."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None)
+    if groups is None:
+        return None
+    if len(groups) != 1:
+        return f"{len(groups)} groups (a hybrid model)"
+    spec = groups[0].kv_cache_spec
+    specs = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs: one per layer
+    kinds = sorted({type(each).__name__ for each in (specs.values() if specs else [spec])})
+    if set(kinds) - set(SERVED_SPECS):
+        return f"layers of {', '.join(kinds)}"
+    return None
+
+
 def _tail_digest(tokens, size: int) -> bytes:
     """The digest, ``size`` bytes like vLLM's block hashes, that a prompt's
     partial last block of ``tokens`` is stored under (chained after its
@@ -395,11 +420,11 @@ class TractConnector(KVConnectorBase_V1, SupportsHMA):
             raise ConfigError(f"{where}: events_sweep must be a number of seconds, 0 or more; "
                               f"got {extra['events_sweep']!r}")
         self._produces, self._consumes = transfer.is_kv_producer, transfer.is_kv_consumer
-        groups = len(getattr(kv_cache_config, "kv_cache_groups", None) or ())
-        if groups > 1:  # tract's keys name one group's blocks: it stands aside, never half-loads
-            log.warning("tract: this model has %d KV cache groups (a hybrid model); tract "
-                        "moves a single group's blocks, so it neither loads nor stores here",
-                        groups)
+        unserved = _unserved(kv_cache_config)
+        if unserved:  # tract's keys name one group's whole blocks: it stands aside
+            log.warning("tract: this model's KV cache has %s; tract moves the blocks of one "
+                        "full-attention group only, so it neither loads nor stores here",
+                        unserved)
             self._produces = self._consumes = False
         self.block_size = vllm_config.cache_config.block_size
         tp_rank = 0
