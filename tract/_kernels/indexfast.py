@@ -161,7 +161,7 @@ def reserve_slots(address, base, mask, capacity, insn, keys, live, codes, slots,
     where = np.empty(count, np.int64)
     codes[:] = CONTINUE
     grown = np.ones(count, np.bool_)  # whose windows grew since the last probe
-    table = np.empty((count, min(capacity, 8), 8), np.uint64)
+    table = np.empty((count, min(capacity, 32), 8), np.uint64)
     pending = np.arange(count)
     left, widest = count, min(2, capacity)
     while True:
