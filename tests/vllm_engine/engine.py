@@ -17,11 +17,13 @@ there, then step the engine, serving NIXL's reads, until ``serve_until``
 exists), and
 ``kv_transfer_config`` (a dict, as vLLM takes it), ``block_size`` and
 ``num_blocks`` (the KV cache's size in blocks: small, vLLM preempts) with
-``max_model_len`` (which vLLM wants it to hold), ``kv_events`` (record the
+``max_model_len`` (which vLLM wants it to hold), ``max_num_batched_tokens``
+(a step's tokens: small, vLLM prefills a prompt in chunks), ``kv_events`` (record the
 KV events tract's connector hands vLLM's scheduler: `_event`).
 Writes ``{"batches": [{"seconds", "outputs": [{"tokens", "finish",
-"cached", "params"}], "each_s"}], "layout": ..., "preemptions": n}``:
-``layout`` is the worker connector's `tract.transfer.KVLayout` and
+"cached", "params"}], "each_s"}], "layout": ..., "layouts": [...],
+"preemptions": n}``: ``layout`` is the worker connector's
+`tract.transfer.KVLayout` (``layouts``: one per KV cache group it serves) and
 ``preemptions`` the requests it heard vLLM preempt (when it is tract's);
 ``events``: the recorded KV events.
 """
@@ -155,7 +157,8 @@ def main(spec_path: str) -> None:
                    enforce_eager=True, max_model_len=spec.get("max_model_len") or 1024,
                    block_size=spec.get("block_size", 32),
                    enable_prefix_caching=spec.get("prefix_caching", False), seed=0,
-                   max_num_batched_tokens=2048, disable_log_stats=False)
+                   max_num_batched_tokens=spec.get("max_num_batched_tokens") or 2048,
+                   disable_log_stats=False)
     if spec.get("num_blocks"):  # a KV cache this small makes vLLM preempt
         options["num_gpu_blocks_override"] = spec["num_blocks"]
     if spec.get("kv_transfer_config"):
@@ -211,6 +214,7 @@ def main(spec_path: str) -> None:
         layout = getattr(group, "layout", None)
         if layout is not None:
             report["layout"] = dataclasses.asdict(layout)
+            report["layouts"] = [dataclasses.asdict(each) for each in group.layouts]
         report["preemptions"] = getattr(group, "preemptions", None)
     _settle(llm)
     if events is not None:

@@ -20,6 +20,11 @@ weights, float32, eager.
    report the blocks it stored and those later evicted (BlockRemoved).
 6. Preemption under a small KV cache, and requests aborted mid-load.
 7. Options refused by name; the Prometheus exposition.
+8. A hybrid model (a 3-layer Gemma 3: groups [S0] [S1] [F2]) served group
+   by group: a P/D hand-off token-exact from a producer prefilling in
+   chunks in a small KV cache; a corrupt block in a window fails its
+   request, which vLLM recomputes token-exact; the scheduler's hit and the
+   jobs' null blocks on fakes.
 
 Also measured (printed, and written to ``$TRACT_VLLM_REPORT`` when set): the
 consumer's time to first token through tract (loads synchronous and
@@ -720,33 +725,219 @@ def test_bad_options_are_refused_by_name(extra, match):
         TractConnector(config, KVConnectorRole.SCHEDULER, None)
 
 
-def test_tract_serves_one_group_of_full_attention_and_stands_aside_otherwise():
-    """Hybrid models (several KV cache groups) and sliding-window ones
-    (vLLM hands the connector its null block for blocks out of the window)
-    are not served; one group of full attention is, and so is an unknown
-    config (a vLLM that does not say)."""
+def test_groups_served_and_the_kv_caches_tract_stands_aside_for():
+    """One group of full attention keeps the model's layout (existing pools
+    still hit), and so does an unknown config (a vLLM that does not say);
+    groups of full attention and sliding windows are served group by group,
+    each under a layout of its own (two groups of one spec differ by their
+    layers); other groups make tract stand aside, naming why."""
     import types
 
     import torch
-    from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheGroupSpec,
+    from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheGroupSpec, MambaSpec,
                                             SlidingWindowSpec, UniformTypeKVCacheSpecs)
 
-    from tract.integrations.vllm import _unserved
+    from tract.integrations.vllm import kv_groups
+    from tract.transfer import KVLayout
 
     shape = dict(block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.float32)
     full = FullAttentionSpec(**shape)
     window = SlidingWindowSpec(**shape, sliding_window=48)
 
-    def config(*specs):
+    def config(*specs, **more):
         return types.SimpleNamespace(kv_cache_groups=[
-            KVCacheGroupSpec([f"layers.{i}"], spec) for i, spec in enumerate(specs)])
+            KVCacheGroupSpec([f"layers.{i}"], spec) for i, spec in enumerate(specs)], **more)
 
-    assert _unserved(config(full)) is None
-    assert _unserved(None) is None
-    assert _unserved(config(UniformTypeKVCacheSpecs(
-        block_size=BLOCK, kv_cache_specs={"a": full, "b": full}))) is None
-    assert _unserved(config(window, full)) == "2 groups (a hybrid model)"
-    assert _unserved(config(window)) == "layers of SlidingWindowSpec"
-    assert _unserved(config(UniformTypeKVCacheSpecs(
-        block_size=BLOCK, kv_cache_specs={"a": window, "b": window}))) == \
-        "layers of SlidingWindowSpec"
+    assert kv_groups(config(full), BLOCK) == (None, None)
+    assert kv_groups(None, BLOCK) == (None, None)
+    assert kv_groups(config(UniformTypeKVCacheSpecs(
+        block_size=BLOCK, kv_cache_specs={"a": full, "b": full})), BLOCK) == (None, None)
+    groups, why = kv_groups(config(window, window, full), BLOCK)
+    assert why is None
+    assert [(g.index, g.layer_names, g.window, g.kind) for g in groups] == [
+        (0, ("layers.0",), 48, "sliding_window"), (1, ("layers.1",), 48, "sliding_window"),
+        (2, ("layers.2",), 0, "full_attention")]
+    assert [g.skipped(n) for g in groups[:1] for n in (10, 47, 48, 99)] == [0, 0, 1, 52]
+    base = KVLayout(model="m", dtype="float32", num_layers=3, num_kv_heads=2, head_size=64,
+                    block_size=BLOCK, variant="cpu:x")
+    layouts = [group.of(base) for group in groups]
+    assert len({layout.namespace() for layout in layouts + [base]}) == 4
+    assert all(layout.num_layers == 1 for layout in layouts)
+    single, why = kv_groups(config(window), BLOCK)  # every layer windowed: served by group
+    assert why is None and single[0].window == 48
+    mamba = MambaSpec(block_size=BLOCK, shapes=((4,),), dtypes=(torch.float32,))
+    assert kv_groups(config(full, mamba), BLOCK)[1] == "a group of MambaSpec layers"
+    assert kv_groups(config(UniformTypeKVCacheSpecs(
+        block_size=BLOCK, kv_cache_specs={"a": window, "b": window})), BLOCK)[1] == \
+        "a group of SlidingWindowSpec layers"
+    assert "pipeline" in kv_groups(config(window, full), BLOCK, stages=2)[1]
+    assert "block hashes of 16" in kv_groups(config(window, full, hash_block_size=16),
+                                             BLOCK)[1]
+
+
+def test_a_hit_holds_for_every_group_and_a_sliding_window_whole():
+    """The scheduler's hit over fake pools: each full-attention group's
+    leading run, cut back a block at a time to an end whose windows the
+    sliding groups hold whole (blocks out of the window may be missing)."""
+    import types
+
+    import numpy as np
+
+    from tract.integrations.vllm import KVGroup, TractConnector
+
+    class Groups:  # the pool of each group: which blocks it holds
+        def __init__(self, held):
+            self.held = held
+
+        def lookup(self, keys):
+            run = 0
+            while run < len(keys) and self.held[int(keys[run][0])]:
+                run += 1
+            return run * BLOCK
+
+        def present(self, keys):
+            return np.array([self.held[int(key[0])] for key in keys], dtype=bool)
+
+    def hit(held_by_group, tokens, computed=0):
+        connector = TractConnector.__new__(TractConnector)
+        connector.block_size, connector._consumes, connector.async_loads = BLOCK, True, True
+        connector.groups = [KVGroup(0, ("s",), window=48), KVGroup(1, ("f",))]
+        pools = {index: Groups(held) for index, held in enumerate(held_by_group)}
+        connector.connectors = {index: types.SimpleNamespace(
+            lookup=pools[index].lookup, index=pools[index],
+            digest_keys=lambda digests: np.array([[at, 0] for at in range(len(digests))],
+                                                 dtype=np.uint64))
+            for index in pools}
+        connector._local_hit, connector._load_failed = {}, set()
+        request = types.SimpleNamespace(
+            request_id="r", block_hashes=[bytes(32)] * (tokens // BLOCK),
+            num_prompt_tokens=tokens, num_tokens=tokens, all_token_ids=list(range(tokens)))
+        return connector.get_num_new_matched_tokens(request, computed)[0]
+
+    every = [True] * 8
+    assert hit([every, every], 160) == 159  # all but the last token
+    # a sliding block out of every window (block 0 of 159 tokens) need not be there
+    assert hit([[False] + every[1:], every], 160) == 159
+    # a sliding block in the window (block 3 of 159) missing: back to 96 tokens, whose
+    # window (tokens 49-95: blocks 1 and 2) is whole
+    assert hit([every[:3] + [False] + every[4:], every], 160) == 96
+    # the full group holds 2 blocks: 64 tokens, and the sliding window at 64 is whole
+    assert hit([every, every[:2] + [False] * 6], 160) == 64
+    # the sliding window at 64 (tokens 17-63: blocks 0 and 1) misses block 1: back to 32
+    assert hit([every[:1] + [False] + every[2:], every[:2] + [False] * 6], 160) == 32
+    # ... and misses block 0: nothing (the window at 32 needs block 0)
+    assert hit([[False] + every[1:], every[:2] + [False] * 6], 160) == 0
+    assert hit([every, every], 160, computed=64) == 95  # past vLLM's own hit
+
+
+def test_jobs_never_touch_the_null_block_and_sliding_stores_stay_in_the_step():
+    """A group's job skips vLLM's null block (a sliding window's blocks out
+    of the window), with its keys; a sliding group's stores run inside the
+    step even when saves are asynchronous, its loads as asked."""
+    import numpy as np
+
+    from tract.integrations.vllm import KVGroup, TractConnector
+
+    connector = TractConnector.__new__(TractConnector)
+    connector.groups = [KVGroup(0, ("s",), window=48), KVGroup(1, ("f",))]
+    keys = {index: np.arange(8, dtype=np.uint64).reshape(4, 2) + 100 * index
+            for index in (0, 1)}
+    block_ids = ([9, 0, 0, 5, 6], [1, 2, 3, 4, 7])
+    jobs = connector._jobs_of("r", block_ids, keys, 1, True, store=True)
+    (sliding, rows), (full, all_rows) = jobs
+    assert sliding.block_ids == [5, 6] and rows == [2, 3] and not sliding.asynchronous
+    assert sliding.keys.tolist() == keys[0][2:].tolist() and sliding.group == 0
+    assert full.block_ids == [2, 3, 4, 7] and all_rows == [0, 1, 2, 3] and full.asynchronous
+    loads = connector._jobs_of("r", block_ids, keys, 1, True, store=False)
+    assert [job.asynchronous for job, _ in loads] == [True, True]
+    assert connector._jobs_of("r", ([0, 0], [0, 0]), {0: keys[0][:1], 1: keys[1][:1]}, 1,
+                              True, store=True) == []
+
+
+# ----------------------------------------------------------- a hybrid model
+
+#: the hybrid model's sliding window (tokens): shorter than every prompt and not a
+#: multiple of the block, so each prompt's first blocks are out of its window
+WINDOW = 48
+
+
+def _gemma(target):
+    """A small Gemma 3 (2 KV heads of size 64) with seeded weights, its layers
+    sliding, sliding, full: vLLM makes three KV cache groups of it, [S0],
+    [S1] and [F2], every one over the same buffer."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(
+        vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, sliding_window=WINDOW,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        query_pre_attn_scalar=64, max_position_embeddings=2048, initializer_range=0.1,
+        tie_word_embeddings=False)
+    Gemma3ForCausalLM(config).save_pretrained(str(target), safe_serialization=True)
+    return str(target)
+
+
+@pytest.fixture(scope="module")
+def hybrid(workdir, prompts):
+    """The hybrid model, and a plain instance's tokens for the prompts."""
+    path = _gemma(workdir / "tiny-gemma3")
+    report = _engine(workdir, "hybrid-reference", path, _decode(prompts))
+    return path, [o["tokens"] for o in report["batches"][0]["outputs"]]
+
+
+def _window_blocks(tokens):
+    """The blocks a sliding group holds after ``tokens``: from its window's first."""
+    return -(-tokens // BLOCK) - max(0, tokens - WINDOW + 1) // BLOCK
+
+
+def test_a_hybrid_model_hands_off_group_by_group_token_exact(workdir, prompts, hybrid,
+                                                             pool_path):
+    """Gemma 3's groups [S0] [S1] [F2]: a producer prefills in chunks of 64
+    tokens, in a KV cache so small that a block which left a window goes to
+    another request at once; every group's blocks are stored, each group
+    under a namespace of its own.  A consumer on another node decodes
+    token-exact with every token but the last external, loading per
+    sliding group only its window's blocks."""
+    model, expected = hybrid
+    producer = _engine(workdir, "hybrid-producer", model, _decode(prompts, 1),
+                       kv=_tract(pool_path, 1, "kv_producer"), num_blocks=40,
+                       max_model_len=256, max_num_batched_tokens=64)
+    layouts = producer["layouts"]
+    assert [layout["num_layers"] for layout in layouts] == [1, 1, 1]
+    assert len({layout["variant"] for layout in layouts}) == 3
+    assert producer["preemptions"] == 0
+    consumer = _engine(workdir, "hybrid-consumer", model, _decode(prompts),
+                       kv=_tract(pool_path, 2, "kv_consumer"))
+    outputs = consumer["batches"][0]["outputs"]
+    assert [o["tokens"] for o in outputs] == expected
+    for prompt, output in zip(prompts, outputs):
+        assert output["params"]["tract_external_tokens"] == len(prompt) - 1
+    counters = _counters(pool_path)
+    assert counters[1]["stored_blocks"] == 3 * sum(map(_stored_blocks, prompts))
+    assert counters[2]["hit_blocks"] == sum(
+        _loaded_blocks(prompt) + 2 * _window_blocks(len(prompt) - 1) for prompt in prompts)
+    assert counters[2]["checksum_failures"] == 0
+
+
+def test_a_hybrid_models_corrupt_window_block_fails_its_request_and_vllm_recomputes(
+        workdir, prompts, hybrid, pool_path):
+    """Stores in the step (``"async": false``).  A corrupt block in a
+    sliding window fails its request's load (vLLM takes no block errors
+    from a model of several groups): vLLM recomputes the request, and the
+    tokens stay exact.  A corrupt block out of every window of its prompt
+    is never loaded."""
+    model, expected = hybrid
+    producer = _engine(workdir, "hybrid-producer-sync", model, _decode(prompts, 1),
+                       kv=_tract(pool_path, 1, "kv_producer", **{"async": False}))
+    _corrupt_block(pool_path, producer["layouts"][0], prompts[2], 6)  # in 229's window
+    _corrupt_block(pool_path, producer["layouts"][1], prompts[0], 0)  # out of 99's
+    consumer = _engine(workdir, "hybrid-consumer-corrupt", model, _decode(prompts),
+                       kv=_tract(pool_path, 2, "kv_consumer"))
+    outputs = consumer["batches"][0]["outputs"]
+    assert [o["tokens"] for o in outputs] == expected
+    assert _counters(pool_path)[2]["checksum_failures"] == 1
+    # prompt 2 recomputed from its first token; the others loaded all but the last
+    assert [o["cached"] for o in outputs] == [
+        0 if at == 2 else len(prompt) - 1 for at, prompt in enumerate(prompts)]

@@ -87,11 +87,21 @@ module only translates):
   ``tract_stored_blocks``); `shutdown` closes the connector and the pool.
 - **Hybrid KV cache manager**: the connector is `SupportsHMA`
   (`request_finished_all_groups`), so vLLM keeps that manager on.  A model
-  with one KV cache group of full attention is served as above; for a
-  hybrid model (several groups), or one whose layers drop blocks (sliding
-  window, Mamba, chunked local attention: vLLM hands the connector the
-  null block for those), tract stands aside, with a warning: it loads and
-  stores nothing, rather than fill one group of a block (`_unserved`).
+  of one full-attention group is served as above.  A hybrid model (groups
+  of full attention and of sliding windows, as Gemma 2 and 3, gpt-oss), or
+  one whose every layer has a sliding window, is served group by group
+  (`kv_groups`, `KVGroup`): each group's blocks are its own layers' bytes
+  (vLLM's groups alias one buffer), stored under a namespace of the group's
+  own (its kind, window and layers); vLLM's null block (a block out of a
+  window) is neither loaded into nor stored.  A hit must hold for every
+  group: each full-attention group's leading run, cut back a block at a
+  time until every sliding group's window at its end is in the pool.  A
+  sliding group's stores run inside their step (vLLM frees a block that
+  left the window while its request runs).  With several groups, loads are
+  asynchronous and a failed one fails its request (``failed_recving``: vLLM
+  recomputes it), as vLLM takes no block load errors there.  Other groups
+  (Mamba, chunked local attention, MLA beside others, pipeline parallelism
+  with several groups): tract stands aside, with a warning.
 - **KV events** (when vLLM's ``kv_events_config`` turns them on):
   `take_events` yields a `BlockStored` (medium ``CXL``, chained to the block
   before it) for each block a store put in the rack, once every worker
@@ -138,8 +148,8 @@ from tract.transfer import KVLayout
 # CPU worker's start-up scan of sys.modules (register_triton_kernel_overrides)
 # fails on llvmlite's library wrapper when llvmlite is already loaded.
 
-__all__ = ["TractConnector", "TractConnectorMetadata", "TractConnectorStats", "TractPromMetrics",
-           "TractWorkerMetadata", "kv_layout"]
+__all__ = ["KVGroup", "TractConnector", "TractConnectorMetadata", "TractConnectorStats",
+           "TractPromMetrics", "TractWorkerMetadata", "kv_groups", "kv_layout"]
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +163,9 @@ LATENCY_NAMES = ("load_seconds", "save_seconds")
 SupportsHMA = getattr(_base, "SupportsHMA", object)
 TransferResults = getattr(_base, "KVConnectorTransferResults", None)
 WorkerMetadata = getattr(_base, "KVConnectorWorkerMetadata", object)
+#: whether this vLLM takes a failed load per request (``failed_recving``): a model of
+#: several KV cache groups is served only then
+FAILS_REQUESTS = "failed_recving" in getattr(TransferResults, "__dataclass_fields__", {})
 #: the adapter's own keys of ``kv_connector_extra_config`` (beside `Options`)
 ADAPTER_KEYS = ("model_id", "async", "async_loads", "async_saves", "events_sweep")
 #: BlockRemoved: the blocks this instance announced, checked this many a sweep (round
@@ -208,6 +221,7 @@ class BlockJob:
     keys: np.ndarray  # (n, 2) uint64
     asynchronous: bool = False
     seq: int = -1  # a store's number, to report which of its blocks are in the pool
+    group: int = 0  # vLLM's index of the KV cache group the blocks are of
 
 
 @dataclasses.dataclass
@@ -296,27 +310,92 @@ LATENCY_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0
                    0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
-#: the KV cache specs tract serves: every layer keeps every block of its tokens
+#: a model of one KV cache group is served as one namespace when every layer of
+#: it keeps every block of its tokens
 SERVED_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
+#: the groups of a hybrid model (or of a model whose every layer has a sliding
+#: window) tract serves, each in a namespace of its own: full attention, and
+#: sliding windows (whose blocks out of the window vLLM replaces by its null block)
+GROUP_SPECS = {"FullAttentionSpec": "full_attention", "SlidingWindowSpec": "sliding_window"}
+#: vLLM's null block: stands for a sliding-window block out of the window; never
+#: loaded into nor stored
+NULL_BLOCK = 0
 
 
-def _unserved(kv_cache_config) -> str | None:
-    """What of a KV cache tract cannot serve, or None: it serves one group
-    of full attention.  A hybrid model has several groups, and a
-    sliding-window (or Mamba, chunked-local...) group hands the connector
-    the null block (id 0) for blocks out of its window, which must be
-    neither loaded into nor stored."""
+@dataclasses.dataclass
+class KVGroup:
+    """One KV cache group that tract serves: vLLM's index of it, its layers
+    (none: every registered layer, for a model of one full-attention group),
+    its sliding window in tokens (0: full attention) and the tract layout
+    (namespace) its blocks are stored under."""
+
+    index: int
+    layer_names: tuple[str, ...] = ()
+    window: int = 0
+    retained: int = 0  # the window's extra retained tokens (vLLM's extra_retained_tokens)
+    num_kv_heads: int = 0
+    head_size: int = 0
+    layout: KVLayout | None = None
+
+    @property
+    def kind(self) -> str:
+        return "sliding_window" if self.window else "full_attention"
+
+    def skipped(self, tokens: int) -> int:
+        """Leading tokens out of the window after ``tokens`` (vLLM's
+        ``get_num_skipped_tokens``): their blocks are null."""
+        return max(0, tokens - self.window + 1 - self.retained) if self.window else 0
+
+    def of(self, base: KVLayout) -> KVLayout:
+        """This group's layout: the model's, with the group's layers, heads
+        and kind (two groups of one spec differ by their layers)."""
+        kind = f"{self.kind}:{self.window}+{self.retained}" if self.window else self.kind
+        return dataclasses.replace(
+            base, num_layers=len(self.layer_names), num_kv_heads=self.num_kv_heads,
+            head_size=self.head_size,
+            variant=f"{base.variant};group={kind};layers={','.join(self.layer_names)}")
+
+
+def _spec_kinds(spec) -> list[str]:
+    specs = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs: one per layer
+    return sorted({type(each).__name__ for each in (specs.values() if specs else [spec])})
+
+
+def kv_groups(kv_cache_config, block_size: int, stages: int = 1
+              ) -> tuple[list[KVGroup] | None, str | None]:
+    """The KV cache groups tract serves, and what of the KV cache it cannot
+    serve (then it stands aside), from vLLM's ``kv_cache_config``: the
+    scheduler and every worker compute the same.  Groups None: one group
+    of full attention (or a vLLM that does not say), under the model
+    config's layout (`kv_layout`), as before groups were served."""
     groups = getattr(kv_cache_config, "kv_cache_groups", None)
     if groups is None:
-        return None
-    if len(groups) != 1:
-        return f"{len(groups)} groups (a hybrid model)"
-    spec = groups[0].kv_cache_spec
-    specs = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs: one per layer
-    kinds = sorted({type(each).__name__ for each in (specs.values() if specs else [spec])})
-    if set(kinds) - set(SERVED_SPECS):
-        return f"layers of {', '.join(kinds)}"
-    return None
+        return None, None
+    if not groups:
+        return None, "no KV cache group"
+    if len(groups) == 1 and not set(_spec_kinds(groups[0].kv_cache_spec)) - set(SERVED_SPECS):
+        return None, None
+    served = []
+    for index, group in enumerate(groups):
+        spec, kinds = group.kv_cache_spec, _spec_kinds(group.kv_cache_spec)
+        if kinds[0] not in GROUP_SPECS or len(kinds) != 1 or \
+                hasattr(spec, "kv_cache_specs"):
+            return None, f"a group of {', '.join(kinds)} layers"
+        if spec.block_size != block_size or \
+                getattr(spec, "head_size_v", spec.head_size) != spec.head_size:
+            return None, f"a group of {spec.block_size}-token blocks or unequal K and V heads"
+        served.append(KVGroup(index, tuple(group.layer_names),
+                              int(getattr(spec, "sliding_window", 0) or 0),
+                              int(getattr(spec, "extra_retained_tokens", 0) or 0),
+                              spec.num_kv_heads, spec.head_size))
+    hashed = getattr(kv_cache_config, "hash_block_size", None)
+    if hashed not in (None, block_size):
+        return None, f"block hashes of {hashed} tokens in {block_size}-token blocks"
+    if len(served) > 1 and stages > 1:
+        return None, f"{len(served)} groups under pipeline parallelism"
+    if len(served) > 1 and not FAILS_REQUESTS:
+        return None, f"{len(served)} groups, and this vLLM takes no failed load per request"
+    return served, None
 
 
 def _tail_digest(tokens, size: int) -> bytes:
@@ -328,11 +407,12 @@ def _tail_digest(tokens, size: int) -> bytes:
     return hashlib.blake2b(body, digest_size=size).digest()
 
 
-def _stored_events(hashes, parent, tokens, kept: list[int], block_size: int) -> list:
+def _stored_events(hashes, parent, tokens, kept: list[int], block_size: int,
+                   **fields) -> list:
     """`BlockStored` events for the ``kept`` blocks (indices into
     ``hashes``; a partial last block past them is no event) of one store:
     one event per run of consecutive blocks, each chained to the block
-    before it."""
+    before it; ``fields``: the group's, for a model served by group."""
     from vllm.distributed.kv_events import BlockStored
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
@@ -348,7 +428,7 @@ def _stored_events(hashes, parent, tokens, kept: list[int], block_size: int) -> 
             block_hashes=[maybe_convert_block_hash(h) for h in hashes[start:end]],
             parent_block_hash=None if before is None else maybe_convert_block_hash(before),
             token_ids=tokens[start * block_size:end * block_size], block_size=block_size,
-            lora_id=None, medium=MEDIUM, lora_name=None))
+            lora_id=None, medium=MEDIUM, lora_name=None, **fields))
         first = at
     return events
 
@@ -420,20 +500,47 @@ class TractConnector(KVConnectorBase_V1, SupportsHMA):
             raise ConfigError(f"{where}: events_sweep must be a number of seconds, 0 or more; "
                               f"got {extra['events_sweep']!r}")
         self._produces, self._consumes = transfer.is_kv_producer, transfer.is_kv_consumer
-        unserved = _unserved(kv_cache_config)
-        if unserved:  # tract's keys name one group's whole blocks: it stands aside
-            log.warning("tract: this model's KV cache has %s; tract moves the blocks of one "
-                        "full-attention group only, so it neither loads nor stores here",
-                        unserved)
-            self._produces = self._consumes = False
         self.block_size = vllm_config.cache_config.block_size
+        parallel = vllm_config.parallel_config
+        groups, unserved = kv_groups(kv_cache_config, self.block_size,
+                                     parallel.pipeline_parallel_size)
+        if unserved:  # tract's keys name whole blocks of the groups it serves: it stands aside
+            log.warning("tract: this model's KV cache has %s; tract serves groups of full "
+                        "attention or sliding windows (in blocks of the cache's size), so "
+                        "it neither loads nor stores here", unserved)
+            self._produces = self._consumes = False
         tp_rank = 0
         if role == KVConnectorRole.WORKER:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             tp_rank = get_tensor_model_parallel_rank()
-        self.layout = kv_layout(vllm_config, tp_rank)
-        self.connector = open_connector(self.options, self.layout)
+        base = kv_layout(vllm_config, tp_rank)
+        #: the groups served, each in its own namespace (one, under the model's layout,
+        #: for a model of one full-attention group)
+        self.groups = [dataclasses.replace(group, layout=group.of(base)) for group in groups] \
+            if groups else [KVGroup(0, layout=base)]
+        #: several groups: a failed load fails its request (``failed_recving``), never
+        #: blocks (vLLM raises on block load errors there), so loads are asynchronous
+        self.hybrid = len(self.groups) > 1
+        self.by_group = bool(groups)  # in namespaces of the groups' own (their KV events too)
+        if self.hybrid and not self.async_loads:
+            if extra.get("async_loads", extra.get("async")) is not None:
+                log.warning("tract: a model of %d KV cache groups loads asynchronously (vLLM "
+                            "takes a failed load of several groups per request only)",
+                            len(self.groups))
+            self.async_loads = True
+        self.connectors: dict[int, Any] = {}
+        try:
+            for group in self.groups:
+                self.connectors[group.index] = open_connector(self.options, group.layout)
+        except BaseException:
+            for connector in self.connectors.values():
+                connector.close()
+                close_pool(self.options.pool, self.options.node)
+            raise
+        self.connector = self.connectors[self.groups[0].index]
+        self.layout = self.groups[0].layout
+        self.layouts = [group.layout for group in self.groups]
         self.pool = self.connector.pool
         self._closed = False
         # scheduler side
@@ -442,23 +549,25 @@ class TractConnector(KVConnectorBase_V1, SupportsHMA):
         self._external: dict[str, int] = {}  # tokens we load
         self._stored: dict[str, int] = {}  # leading blocks queued for storing
         self._tails: set[str] = set()  # requests whose partial last block is queued
+        self._load_failed: set[str] = set()  # requests a load of failed, until finished
         self._loads: list[BlockJob] = []
         events = getattr(vllm_config, "kv_events_config", None)
         #: KV events (`take_events`): only when vLLM publishes them
         self._events_on = bool(events is not None and events.enable_kv_cache_events)
         self._next_sweep = 0.0
-        #: announced blocks, oldest first: tract key (16 bytes) -> vLLM block hash
+        #: announced blocks, oldest first: tract key (16 bytes) -> (vLLM block hash, group)
         self._in_rack: collections.OrderedDict[bytes, Any] = collections.OrderedDict()
-        parallel = vllm_config.parallel_config
         self._workers = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
         self._seq = 0
-        self._announcing: dict[int, tuple] = {}  # store seq -> (hashes, parent, tokens, keys)
+        #: store seq -> (group, each row's block past the first, hashes, parent, tokens, keys)
+        self._announcing: dict[int, tuple] = {}
         self._reports: dict[int, tuple[int, frozenset[int]]] = {}  # partial, across steps
         self._events: list = []
         # worker side
-        self._layers: list[torch.Tensor] = []
+        self._layers: dict[int, list] = {}  # group -> its layers' views
         self._split = False  # layers laid out (K/V, block, ...), not (block, ...)
         self._load_errors: set[int] = set()
+        self._failed: set[str] = set()  # requests a load of failed (several groups)
         self._full_warned = False  # a full pool is said once at WARNING, then at DEBUG
         self._reported = dict.fromkeys(STAT_NAMES, 0)
         self._transfers: TransferThread | None = None  # made at the first queued job
@@ -486,27 +595,67 @@ class TractConnector(KVConnectorBase_V1, SupportsHMA):
         digests.append(_tail_digest(request.all_token_ids[whole:prompt], size))
         return digests, prompt
 
-    def _keys(self, request, blocks: int) -> np.ndarray:
-        """Keys of the request's first ``blocks`` blocks (`_digests`)."""
-        return self.connector.digest_keys(self._digests(request)[0][:blocks])
+    def _keys(self, request, blocks: int) -> dict[int, np.ndarray]:
+        """Each group's keys of the request's first ``blocks`` blocks
+        (`_digests`): one chain of digests, in each group's namespace."""
+        digests = self._digests(request)[0][:blocks]
+        return {group.index: self.connectors[group.index].digest_keys(digests)
+                for group in self.groups}
 
     # --------------------------------------------------- scheduler side
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
-        if not self._consumes:
+        """The pool's leading hits past vLLM's own: every full-attention
+        group's leading run, cut back, a block at a time, to an end whose
+        sliding windows the pool holds whole in every sliding group."""
+        if not self._consumes or request.request_id in self._load_failed:
             return 0, False
-        first = num_computed_tokens // self.block_size
+        size = self.block_size
+        first = num_computed_tokens // size
         digests, held = self._digests(request)
-        last = min(held, request.num_tokens - 1)  # vLLM computes the last token
-        blocks = -(-last // self.block_size)
+        end = min(held, request.num_tokens - 1)  # vLLM computes the last token
+        blocks = -(-end // size)
         if blocks <= first:
             return 0, False
-        keys = self.connector.digest_keys(digests[:blocks])
-        hits = self.connector.lookup(keys[first:]) // self.block_size
-        tokens = max(0, min((first + hits) * self.block_size, last) - num_computed_tokens)
+        keys = {group.index: self.connectors[group.index].digest_keys(digests[:blocks])[first:]
+                for group in self.groups}
+        for group in self.groups:
+            if not group.window:
+                hits = self.connectors[group.index].lookup(keys[group.index]) // size
+                end = min(end, (first + hits) * size)
+        windows = [(group, self.connectors[group.index].index.present(keys[group.index]))
+                   for group in self.groups if group.window]
+        while end > num_computed_tokens and not all(
+                present[max(0, group.skipped(end) // size - first):-(-end // size) - first].all()
+                for group, present in windows):
+            end = (-(-end // size) - 1) * size  # the block boundary before
+        tokens = max(0, end - num_computed_tokens)
         self._local_hit[request.request_id] = num_computed_tokens
         return tokens, self.async_loads and tokens > 0
+
+    def get_loaded_kv_cache_group_ids(self, request) -> tuple[int, ...]:
+        """Every group tract serves: a hit counts only where each one's
+        blocks (a sliding group's window) are in the pool."""
+        return tuple(group.index for group in self.groups)
+
+    def _jobs_of(self, request_id: str, block_ids, keys: dict[int, np.ndarray], start: int,
+                 asynchronous: bool, store: bool) -> list[tuple[BlockJob, list[int]]]:
+        """One job per group over its blocks from ``start`` that are not the
+        null block (a sliding window's blocks out of the window), with each
+        row's block index past ``start``; a sliding group's stores are never
+        asynchronous (`build_connector_meta`)."""
+        jobs = []
+        for group in self.groups:
+            ids = list(block_ids[group.index][start:start + len(keys[group.index])])
+            rows = [at for at, block in enumerate(ids) if block != NULL_BLOCK]
+            if rows:
+                job = BlockJob(request_id, [ids[at] for at in rows],
+                               keys[group.index][rows],
+                               asynchronous and not (store and group.window),
+                               group=group.index)
+                jobs.append((job, rows))
+        return jobs
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         request_id = request.request_id
@@ -516,24 +665,29 @@ class TractConnector(KVConnectorBase_V1, SupportsHMA):
         local = self._local_hit.get(request_id, 0)
         first = local // self.block_size
         end = -(-(local + num_external_tokens) // self.block_size)
-        block_ids = blocks.get_block_ids()[0][first:end]
-        keys = self._keys(request, end)[first:]
-        self._loads.append(BlockJob(request_id, list(block_ids), keys, self.async_loads))
+        keys = {group: keys[first:] for group, keys in self._keys(request, end).items()}
+        self._loads += [job for job, _ in self._jobs_of(
+            request_id, blocks.get_block_ids(), keys, first, self.async_loads, store=False)]
         self._external[request_id] = self._external.get(request_id, 0) + num_external_tokens
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        """The step's loads, and the stores of the blocks it completes.  A
+        sliding group's stores run inside the step, whatever
+        ``async_saves`` says: vLLM frees a block that left the window while
+        its request runs, and the next step may overwrite it."""
         meta = TractConnectorMetadata(
             loads=self._loads,
             preempted=set(getattr(scheduler_output, "preempted_req_ids", None) or ()))
         self._loads = []
         if not self._produces:
             return meta
+        size = self.block_size
         for request_id, scheduled in scheduler_output.num_scheduled_tokens.items():
             request = self._requests.get(request_id)
             if request is None:
                 continue
             computed = request.num_computed_tokens + scheduled
-            done = min(computed // self.block_size, len(request.block_hashes))
+            done = min(computed // size, len(request.block_hashes))
             start = self._stored.get(request_id, 0)
             # the prompt's partial last block, once the prompt is computed
             tail = request_id not in self._tails and computed >= request.num_prompt_tokens \
@@ -541,25 +695,30 @@ class TractConnector(KVConnectorBase_V1, SupportsHMA):
             if done <= start and not tail:
                 continue
             end = done + 1 if tail else done
-            block_ids = self._kv_cache_manager.get_block_ids(request_id)[0][start:end]
-            meta.stores.append(BlockJob(request_id, list(block_ids),
-                                        self._keys(request, end)[start:], self.async_saves,
-                                        self._seq))
-            if self._events_on:
-                self._announcing[self._seq] = (
-                    request.block_hashes[start:done],
-                    request.block_hashes[start - 1] if start else None,
-                    list(request.all_token_ids[start * self.block_size:done * self.block_size]),
-                    meta.stores[-1].keys[:done - start])
-            self._seq += 1
+            keys = {group: keys[start:] for group, keys in self._keys(request, end).items()}
+            block_ids = self._kv_cache_manager.get_block_ids(request_id)
+            for job, rows in self._jobs_of(request_id, block_ids, keys, start,
+                                           self.async_saves, store=True):
+                meta.stores.append(job)
+                if self._events_on:
+                    self._announcing[self._seq] = (
+                        job.group, rows, request.block_hashes[start:done],
+                        request.block_hashes[start - 1] if start else None,
+                        list(request.all_token_ids[start * size:done * size]), job.keys)
+                job.seq = self._seq
+                self._seq += 1
             self._stored[request_id] = done
             if tail:
                 self._tails.add(request_id)
         return meta
 
     def update_connector_output(self, connector_output) -> None:
-        """The workers' reports of ended stores: once every worker reported
-        a store, its blocks in the pool become `BlockStored` events."""
+        """The workers' reports: requests whose load failed (vLLM asks them
+        again from token 0: the pool is not offered twice, so they are
+        recomputed, not loaded and failed for ever); ended stores: once every
+        worker reported a store, its blocks in the pool become `BlockStored`
+        events."""
+        self._load_failed |= set(getattr(connector_output, "failed_recving", None) or ())
         report = getattr(connector_output, "kv_connector_worker_meta", None)
         if not isinstance(report, TractWorkerMetadata):
             return
@@ -570,13 +729,23 @@ class TractConnector(KVConnectorBase_V1, SupportsHMA):
                 continue
             announced = self._announcing.pop(seq, None)
             if announced is not None and kept:
-                hashes, parent, tokens, keys = announced
-                self._events += _stored_events(hashes, parent, tokens, sorted(kept),
-                                               self.block_size)
-                for at in kept:
-                    if at < len(hashes):
-                        self._in_rack[keys[at].tobytes()] = hashes[at]
-                        self._in_rack.move_to_end(keys[at].tobytes())
+                group, rows, hashes, parent, tokens, keys = announced
+                kept = sorted(row for row in kept if rows[row] < len(hashes))  # whole blocks
+                self._events += _stored_events(hashes, parent, tokens,
+                                               [rows[row] for row in kept], self.block_size,
+                                               **self._group_fields(group))
+                for row in kept:
+                    key = keys[row].tobytes()
+                    self._in_rack[key] = (hashes[rows[row]], group)
+                    self._in_rack.move_to_end(key)
+
+    def _group_fields(self, index: int) -> dict[str, Any]:
+        """A KV event's group fields, for a model tract serves by group."""
+        if not self.by_group:
+            return {}
+        group = next(group for group in self.groups if group.index == index)
+        return {"group_idx": index, "kv_cache_spec_kind": group.kind,
+                "kv_cache_spec_sliding_window": group.window or None}
 
     def take_events(self):
         """`BlockStored` events (medium ``CXL``) of the blocks this
@@ -602,18 +771,23 @@ class TractConnector(KVConnectorBase_V1, SupportsHMA):
                 for _ in range(len(self._in_rack) - TRACKED_MAX)]
         looked = list(zip(range(SWEEP_KEYS), self._in_rack.items()))
         keys = np.frombuffer(b"".join(key for _, (key, _) in looked), np.uint64).reshape(-1, 2)
-        for (_, (key, block_hash)), here in zip(looked, self.connector.index.present(keys)):
+        for (_, (key, block)), here in zip(looked, self.connector.index.present(keys)):
             if here:
                 self._in_rack.move_to_end(key)
             else:
                 del self._in_rack[key]
-                gone.append(block_hash)
+                gone.append(block)
         if gone:
             from vllm.distributed.kv_events import BlockRemoved
             from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
-            self._events.append(BlockRemoved(
-                block_hashes=[maybe_convert_block_hash(h) for h in gone], medium=MEDIUM))
+            for group in self.groups:
+                hashes = [block_hash for block_hash, index in gone if index == group.index]
+                if hashes:
+                    fields = {"group_idx": group.index} if self.by_group else {}
+                    self._events.append(BlockRemoved(
+                        block_hashes=[maybe_convert_block_hash(h) for h in hashes],
+                        medium=MEDIUM, **fields))
 
     def request_finished(self, request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
@@ -624,6 +798,7 @@ class TractConnector(KVConnectorBase_V1, SupportsHMA):
         request_id = request.request_id
         self._requests.pop(request_id, None)
         self._local_hit.pop(request_id, None)
+        self._load_failed.discard(request_id)
         stored = self._stored.pop(request_id, 0)  # whole blocks queued for storing
         tail = request_id in self._tails
         self._tails.discard(request_id)
@@ -633,18 +808,33 @@ class TractConnector(KVConnectorBase_V1, SupportsHMA):
 
     def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]
                                     ) -> tuple[bool, dict[str, Any] | None]:
-        """`SupportsHMA`: as `request_finished` (tract serves models with one
-        KV cache group only; see the module docstring)."""
+        """`SupportsHMA`: as `request_finished` (a sliding group's stores
+        ended inside their steps; the full-attention groups' blocks are what
+        a delayed free keeps)."""
         return self.request_finished(request, list(block_ids[0]) if block_ids else [])
 
     # ------------------------------------------------------- worker side
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Each group's views of its own layers (a model served by group:
+        vLLM's groups alias one buffer, layer by layer, so a block of a
+        group is in that group's layers only)."""
+        for group in self.groups:
+            named = kv_caches
+            if group.layer_names:
+                missing = [name for name in group.layer_names if name not in kv_caches]
+                if missing:
+                    raise ConfigError(f"vLLM registered no KV cache for layers {missing} of "
+                                      f"KV cache group {group.index}")
+                named = {name: kv_caches[name] for name in group.layer_names}
+            self._layers[group.index] = self._views(named, group.layout)
+
+    def _views(self, kv_caches: dict[str, torch.Tensor], layout: KVLayout) -> list:
         layers = list(kv_caches.values())
-        if len(layers) != self.layout.num_layers:
+        if len(layers) != layout.num_layers:
             raise ConfigError(f"vLLM registered {len(layers)} KV cache layers; the model "
-                              f"config says {self.layout.num_layers}")
-        per_layer = self.layout.block_bytes // self.layout.num_layers
+                              f"config says {layout.num_layers}")
+        per_layer = layout.block_bytes // layout.num_layers
         first = layers[0]
         # (blocks, ...) with a block's layer bytes contiguous, or (K/V, blocks, ...)
         self._split = first[0].numel() * first.element_size() != per_layer and \
@@ -658,31 +848,36 @@ class TractConnector(KVConnectorBase_V1, SupportsHMA):
                 raise ConfigError(
                     f"KV cache layer {name!r} of shape {tuple(tensor.shape)} ({tensor.dtype}) "
                     f"does not hold {per_layer}-byte contiguous blocks, as layout "
-                    f"{self.layout} needs")
+                    f"{layout} needs")
             views.append(tensor if tensor.device.type != "cpu" else
                          tensor.view(torch.uint8).numpy())
-        self._layers = views
+        return views
 
-    def _segments(self, block_ids: list[int]) -> list[list]:
-        """Each block's bytes, layer by layer (K then V where they are split)."""
+    def _segments(self, job: BlockJob) -> list[list]:
+        """Each block's bytes, layer by layer of its group (K then V where
+        they are split)."""
+        layers = self._layers[job.group]
         if self._split:
-            return [[layer[part, block] for layer in self._layers for part in (0, 1)]
-                    for block in block_ids]
-        return [[layer[block] for layer in self._layers] for block in block_ids]
+            return [[layer[part, block] for layer in layers for part in (0, 1)]
+                    for block in job.block_ids]
+        return [[layer[block] for layer in layers] for block in job.block_ids]
 
     def _load(self, job: BlockJob) -> int:
-        return self.connector.load(job.keys, self._segments(job.block_ids))
+        return self.connectors[job.group].load(job.keys, self._segments(job))
 
     def _loaded(self, job: BlockJob, loaded: int) -> None:
         if loaded < len(job.block_ids):
             log.warning("tract: request %s: %d of %d blocks failed to load (evicted, "
                         "corrupt, unpublished or timed out); reported to vLLM as load errors",
                         job.request_id, len(job.block_ids) - loaded, len(job.block_ids))
-            self._load_errors.update(job.block_ids[loaded:])
+            if self.hybrid:  # the request is recomputed (vLLM takes no block errors here)
+                self._failed.add(job.request_id)
+            else:
+                self._load_errors.update(job.block_ids[loaded:])
 
     def _save(self, job: BlockJob) -> np.ndarray:
         """Store the job's blocks; which are in the pool after it."""
-        kept = self.connector.store_each(job.keys, self._segments(job.block_ids)).kept
+        kept = self.connectors[job.group].store_each(job.keys, self._segments(job)).kept
         self._saved(job, int(kept.sum()))
         return kept
 
@@ -766,7 +961,7 @@ class TractConnector(KVConnectorBase_V1, SupportsHMA):
             else:
                 self._ended_store(job, ended.result)
                 if ended.state != DONE:
-                    self.connector.not_stored(len(job.block_ids))
+                    self.connectors[job.group].not_stored(len(job.block_ids))
                     if ended.state != CANCELLED:
                         self._saved(job, 0)
         self._owed |= set(finished_req_ids) & self._saves_queued
@@ -778,7 +973,11 @@ class TractConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_transfer_results(self, finished_req_ids: set[str]):
         sending, recving = self._transfer_results(finished_req_ids)
-        return TransferResults(finished_sending=sending, finished_recving=recving)
+        if not FAILS_REQUESTS:
+            return TransferResults(finished_sending=sending, finished_recving=recving)
+        failed, self._failed = self._failed & recving, self._failed - recving
+        return TransferResults(finished_sending=sending, finished_recving=recving,
+                               failed_recving=failed)
 
     def get_finished(self, finished_req_ids: set[str]
                      ) -> tuple[set[str] | None, set[str] | None]:
@@ -798,7 +997,8 @@ class TractConnector(KVConnectorBase_V1, SupportsHMA):
         return errors
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        now = {name: self.connector.stats[name] for name in STAT_NAMES}
+        now = {name: sum(connector.stats[name] for connector in self.connectors.values())
+               for name in STAT_NAMES}
         delta = {name: now[name] - self._reported[name] for name in STAT_NAMES}
         self._reported = now
         latencies, self._latencies = self._latencies, {name: [] for name in LATENCY_NAMES}
@@ -843,7 +1043,8 @@ class TractConnector(KVConnectorBase_V1, SupportsHMA):
                 log.warning("tract: a transfer still runs at shutdown; the pool handle is "
                             "left open for it")
                 return
-        try:
-            self.connector.close()
-        finally:
-            close_pool(self.options.pool, self.options.node)
+        for connector in self.connectors.values():
+            try:
+                connector.close()
+            finally:
+                close_pool(self.options.pool, self.options.node)
