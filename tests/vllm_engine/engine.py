@@ -92,13 +92,14 @@ def _record_events(options) -> list:
 
 def _event(event) -> dict:
     """A recorded KV event as JSON: ``kind`` (stored or removed), the block
-    hashes (ints, or digests as hex), the medium; a stored one's parent and
-    token count too."""
+    hashes (ints, or digests as hex), the medium, the KV cache group (None
+    unless the connector serves the model by group); a stored one's parent
+    and token count too."""
     def name(value):
         return value.hex() if isinstance(value, bytes) else value
 
     record = {"kind": "removed", "hashes": [name(h) for h in event.block_hashes],
-              "medium": event.medium}
+              "medium": event.medium, "group": getattr(event, "group_idx", None)}
     if hasattr(event, "token_ids"):
         record.update(kind="stored", parent=name(event.parent_block_hash),
                       tokens=len(event.token_ids))

@@ -509,8 +509,8 @@ def test_consumer_ttft_through_tract_against_the_example_connector_and_a_local_h
     tract, the example connector, a local prefix hit, a null hit and
     NixlConnector run once a round, in turn (A B C D E A B C D E ...), each
     round then a ratio (tract with asynchronous loads in the first round
-    only); then tract and the example connector once more beside a process
-    that burns a core.  The local prefix hit (one instance serving a prompt
+    only); then as many rounds of tract and the example connector, in turn,
+    beside a process that burns a core.  The local prefix hit (one instance serving a prompt
     it served before) is vLLM's own floor; it hits whole blocks only.  The
     null hit is vLLM's DecodeBenchConnector (every token but the last
     counted as loaded, nothing copied: its tokens are not checked): the
@@ -543,16 +543,16 @@ def test_consumer_ttft_through_tract_against_the_example_connector_and_a_local_h
         configs["nixl"] = {}
     quiet = {name: [] for name in configs}
     waves = {name: [] for name in configs}
-    burned = {}
+    burned = {"tract": [], "example_connector": []}
     try:
         _store(workdir, "bench-producer", model, prompts, pool_path, 1)
         # one prompt a step: the ExampleConnector saves a request's whole prompt at its
         # first step, so under chunked prefill it would save blocks not yet computed
         _engine(workdir, "bench-example-producer", model, [once], kv=example)
         expected, layout = None, None
-        for round_ in range(ROUNDS + 1):
+        for round_ in range(2 * ROUNDS):  # ROUNDS quiet, then ROUNDS beside the burner
             burner = subprocess.Popen([sys.executable, "-c", "while True: pass"]) \
-                if round_ == ROUNDS else None
+                if round_ >= ROUNDS else None
             # asynchronous loads once; beside the burner, tract and the example connector
             names = list(configs) if round_ == 0 else ["tract", "example_connector"] \
                 if burner is not None else [name for name in configs
@@ -576,7 +576,7 @@ def test_consumer_ttft_through_tract_against_the_example_connector_and_a_local_h
                         quiet[name].append(statistics.median(alone["each_s"]))
                         waves[name].append(statistics.median(concurrent["each_s"]))
                     else:
-                        burned[name] = statistics.median(alone["each_s"])
+                        burned[name].append(statistics.median(alone["each_s"]))
             finally:
                 if burner is not None:
                     burner.kill()
@@ -612,10 +612,13 @@ def test_consumer_ttft_through_tract_against_the_example_connector_and_a_local_h
             "tract_over_null_hit": _ratios(waves["tract"], waves["null_hit"]),
             "tract_over_nixl": _ratios(waves["tract"], waves["nixl"]) if nixl else None,
             "tract_async_loads_over_tract": waves["tract_async_loads"][0] / waves["tract"][0]},
-        "beside_a_core_burner_s": burned,
-        "tract_over_example_beside_the_burner": burned["tract"] / burned["example_connector"],
-        "moved_by_the_burner": {name: burned[name] / statistics.median(quiet[name])
-                                for name in burned},
+        "beside_a_core_burner_s": {name: statistics.median(values)
+                                   for name, values in burned.items()},
+        "beside_a_core_burner_per_round_s": burned,
+        "tract_over_example_beside_the_burner": _ratios(burned["tract"],
+                                                        burned["example_connector"]),
+        "moved_by_the_burner": {name: statistics.median(burned[name]) /
+                                statistics.median(quiet[name]) for name in burned},
         "load_bound": {"bytes_loaded": loaded, "cold_memcpy_bytes_per_s": bandwidth,
                        "bound_s": bound, "tract_over_bound": statistics.median(tract) / bound,
                        "null_hit_bound_s": null_bound,
@@ -899,12 +902,20 @@ def test_a_hybrid_model_hands_off_group_by_group_token_exact(workdir, prompts, h
     another request at once; every group's blocks are stored, each group
     under a namespace of its own.  A consumer on another node decodes
     token-exact with every token but the last external, loading per
-    sliding group only its window's blocks."""
+    sliding group only its window's blocks.  The producer's KV events name
+    every whole block of each group, with the group."""
     model, expected = hybrid
     producer = _engine(workdir, "hybrid-producer", model, _decode(prompts, 1),
                        kv=_tract(pool_path, 1, "kv_producer"), num_blocks=40,
-                       max_model_len=256, max_num_batched_tokens=64)
+                       max_model_len=256, max_num_batched_tokens=64, kv_events=True)
     layouts = producer["layouts"]
+    announced = {}  # group -> hashes its BlockStored events name
+    for event in producer["events"]:
+        assert event["kind"] == "stored" and event["medium"] == "CXL"
+        announced.setdefault(event["group"], []).extend(event["hashes"])
+    whole = sum(len(prompt) // BLOCK for prompt in prompts)
+    assert {group: len(hashes) for group, hashes in announced.items()} == \
+        {0: whole, 1: whole, 2: whole}
     assert [layout["num_layers"] for layout in layouts] == [1, 1, 1]
     assert len({layout["variant"] for layout in layouts}) == 3
     assert producer["preemptions"] == 0
