@@ -918,25 +918,26 @@ class Lock:
     def acquire(self, timeout: float | None = None) -> int:
         """Take the lock; returns its epoch.  Raises `LockTimeout` after
         ``timeout`` seconds, naming the holder."""
-        epoch = self._acquire(timeout)
-        faults.point("lock.acquired")
-        return epoch
-
-    def _acquire(self, timeout: float | None) -> int:
         fast = self.fast
-        if fast is not None:
+        if fast is None:
+            epoch = self._acquire(timeout)
+        else:  # the native fast path, inline: its uncontended acquire is a few round trips
             start = None if timeout is None else self.global_lock.space.clock.now()
             try:
                 outcome = fast.acquire(timeout)
             except TimeoutError:
                 raise self._local_timeout(timeout) from None
             if outcome == ACQUIRED:
-                return fast.epoch
-            began = self.global_lock.space.clock.now()
-            epoch = self._acquire_slow(outcome, timeout, start)
-            if self.waited is not None:
-                self.waited(self.global_lock.space.clock.now() - began)
-            return epoch
+                epoch = fast.epoch
+            else:
+                began = self.global_lock.space.clock.now()
+                epoch = self._acquire_slow(outcome, timeout, start)
+                if self.waited is not None:
+                    self.waited(self.global_lock.space.clock.now() - began)
+        faults.point("lock.acquired")
+        return epoch
+
+    def _acquire(self, timeout: float | None) -> int:
         clock = self.global_lock.space.clock
         start = clock.now()
         if self.local is not None:

@@ -144,7 +144,14 @@ cdef class ManagerFastPath:
         cdef char *base = self.pool._base
         cdef int64_t line
         cdef volatile uint64_t *manager = <volatile uint64_t *>(base + self.manager_line)
-        cdef uint64_t node = manager[0]
+        cdef uint64_t node
+        if self.last_grant >= 0:
+            # the grant line read last time (invalidated before the caller's fence), loaded
+            # now beside the manager line: the grant line's address depends on the manager
+            # line, so these two misses would otherwise come one after the other.  A load
+            # after the fence, like the reads below (R4); no cache-control operation added
+            node = (<volatile uint64_t *>(base + self.last_grant))[0]
+        node = manager[0]
         manager_epoch[0] = manager[1]
         if node == 0 or node > self.max_nodes:
             return NULL
