@@ -5,7 +5,8 @@ protocol modules import nothing of `tract.testing`).
 A point is armed from the environment, read once at import
 (``TRACT_KILL_POINT=<name>``, ``TRACT_KILL_AFTER=<n>``: die the n-th time
 the point is reached, default 1), or in a process by `arm`.  Unarmed,
-`point` is one comparison.  The points are listed, with where each lies, in
+`point` is one comparison; a hot path skips even the call while ``ARMED``
+(the armed point's name) is None.  The points are listed, with where each lies, in
 `tract.testing.faults`.
 """
 
@@ -14,16 +15,16 @@ from __future__ import annotations
 import os
 import signal
 
-__all__ = ["POINTS", "arm", "point"]
+__all__ = ["ARMED", "POINTS", "arm", "point"]
 
 POINTS = ("lock.acquired", "lock.release", "manager.grant", "alloc.locked", "free.locked",
           "store.copied", "publish.locked", "evict.marked", "handoff.pinned",
           "handoff.released")
 
-_ARMED = os.environ.get("TRACT_KILL_POINT") or None
+ARMED = os.environ.get("TRACT_KILL_POINT") or None
 _AFTER = int(os.environ.get("TRACT_KILL_AFTER", "1"))
-if _ARMED is not None and _ARMED not in POINTS:
-    raise ValueError(f"TRACT_KILL_POINT={_ARMED!r} is not a kill point; the points are "
+if ARMED is not None and ARMED not in POINTS:
+    raise ValueError(f"TRACT_KILL_POINT={ARMED!r} is not a kill point; the points are "
                      f"{', '.join(POINTS)}")
 if _AFTER < 1:
     raise ValueError(f"TRACT_KILL_AFTER must be at least 1, got {_AFTER}")
@@ -33,19 +34,19 @@ _reached = 0
 def arm(name: str | None, after: int = 1) -> None:
     """Arm ``name`` in this process (None disarms): die the ``after``-th
     time it is reached from now."""
-    global _ARMED, _AFTER, _reached
+    global ARMED, _AFTER, _reached
     if name is not None and name not in POINTS:
         raise ValueError(f"{name!r} is not a kill point; the points are {', '.join(POINTS)}")
     if after < 1:
         raise ValueError(f"after must be at least 1, got {after}")
-    _ARMED, _AFTER, _reached = name, after, 0
+    ARMED, _AFTER, _reached = name, after, 0
 
 
 def point(name: str) -> None:
     """Die here by SIGKILL if ``name`` is the armed point and this is the
     armed time it is reached."""
     global _reached
-    if name != _ARMED:
+    if name != ARMED:
         return
     _reached += 1
     if _reached >= _AFTER:

@@ -58,6 +58,14 @@ cdef extern from "_cachectl.h" nogil:
     uint64_t tract_load_u64(const uint64_t *addr) noexcept
     uint64_t tract_check_word(uint64_t tag, const volatile uint64_t *words, int n) noexcept
 
+cdef extern from *:
+    """
+    /* a prefetch for writing (prefetchw where the build's target has it, else a read
+       prefetch): a hint, neither a cache-control operation nor ordered by the fences */
+    #define tract_prefetch_write(addr) __builtin_prefetch((const void *)(addr), 1, 3)
+    """
+    void tract_prefetch_write(const volatile void *addr) noexcept nogil
+
 tract_trace_bind(trace_state())  # one cache-control trace per process (_region.pxd)
 
 cdef enum Outcome:  # what `acquire` and `attempt` report
@@ -182,6 +190,9 @@ cdef class ManagerFastPath:
         tract_lines(self.pool._flush_insn, <char *>request, LINE)
         tract_fence()
         cdef volatile uint64_t *grant = self._fresh_grant(&manager_epoch)
+        # this node's own request line (R2: no other host writes it), written back above,
+        # fetched again for the release's write: a hint, no cache-control operation
+        tract_prefetch_write(request)
         if self._mine(grant, manager_epoch):
             self.epoch = grant[3]
             return OUTCOME_ACQUIRED
@@ -196,6 +207,7 @@ cdef class ManagerFastPath:
         request[2] = seq
         tract_lines(self.pool._flush_insn, <char *>request, LINE)
         tract_fence()
+        tract_prefetch_write(request)  # for the next acquire's write, as in `_attempt`
         slot[HELD_WORD] = 0
         slot[PASSES_WORD] = 0
 
