@@ -75,8 +75,10 @@ FAMILIES = 12  # prompts k share their first two blocks with the others of famil
 def recovery_bound(lease: float) -> float:
     """How long after a kill every survivor must have made progress: one
     lease for the dead node's heartbeat to go stale, one more for a standby
-    manager to see it and take over, and scheduling slack."""
-    return 4 * lease + 1.0
+    manager to see it and take over, with the 5x margin of the tests'
+    other timing bounds (a campaign beside a core burner on 2 cores once
+    took 2.6 s, against a median of 24 ms)."""
+    return 5 * 2 * lease + 1.0
 
 
 def _layout():
