@@ -60,7 +60,8 @@ def test_the_rules_see_imports():
 # ------------------------------------------------------------ fast twins
 
 FAST_MODULES = ("tract._kernels.indexfast", "tract._native._allocfast",
-                "tract._native._lockfast", "tract._native._nodeheap")
+                "tract._native._handofffast", "tract._native._lockfast",
+                "tract._native._nodeheap")
 #: the batched native steps of the mapping (its single primitives are what
 #: every trace is made of, and are held to the simulator's model of them)
 REGION_STEPS = ("copy_in_blocks", "copy_out_blocks", "digest_blocks")

@@ -30,6 +30,11 @@ short string the engine passes to the decode side with the request.
   flushes and fences: a decoder that reads the record afterwards finds no
   offer.
 
+On a real mapping each step above is one native call
+(`tract._native._handofffast`), held to the Python step it replaces by
+result, bytes and cache-control trace (DESIGN.md §5, tests/test_twins.py's
+registry); the simulator runs the Python steps.
+
 Rules relied on (DESIGN.md): R2 — the producer writes the head line and
 the keys, a decoder only the taken line; R3 — the record is in memory
 before its ticket is returned, the taken mark and the withdrawal are
@@ -51,7 +56,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from tract._native._region import xxh64
+from tract._native._handofffast import HandoffFastPath
+from tract._native._region import Region, xxh64
 from tract.lines import LINE
 
 __all__ = ["NO_OFFER", "HandoffRecords", "Record", "format_ticket", "parse_ticket"]
@@ -93,10 +99,16 @@ def parse_ticket(ticket: str) -> tuple[int, int]:
 
 class HandoffRecords:
     """One process's view of the handoff records in a pool: the records it
-    writes as a producer and those it reads and marks as a decoder."""
+    writes as a producer and those it reads and marks as a decoder.  On a
+    real mapping each step is one native call (`_native._handofffast`), held
+    to the Python step beside it by tests/test_twins.py; on the simulator
+    the Python steps run."""
 
     def __init__(self, pool):
         self.pool = pool
+        low, high = pool.index.heap
+        self.fast = HandoffFastPath(pool.region, low, high, pool.header.max_nodes) \
+            if isinstance(pool.region, Region) else None
 
     def write(self, keys: np.ndarray, deadline: float,
               timeout: float | None = None) -> tuple[int, int]:
@@ -107,17 +119,27 @@ class HandoffRecords:
         there is no memory for it."""
         pool = self.pool
         nonce = int.from_bytes(os.urandom(8), "little") | 1
-        chosen = np.ascontiguousarray(keys).tobytes()
-        head = _HEAD.pack(_MAGIC, nonce, pool.node, pool.epoch, deadline, len(keys), 0)
-        check = xxh64(head[:_CHECKED] + chosen, nonce)
-        body = head[:_CHECKED] + struct.pack("<Q", check) + bytes(_KEYS_AT - _HEAD.size) + chosen
-        offset = pool.index.alloc(len(body), timeout)
+        keys = np.ascontiguousarray(keys, dtype=np.uint64).reshape(-1, 2)
+        offset = pool.index.alloc(_KEYS_AT + 16 * len(keys), timeout)
         try:
-            pool.region.copy_in(offset, body)  # in memory on return (R3)
+            if self.fast is not None:
+                self.fast.write(offset, nonce, pool.node, pool.epoch, deadline, keys)
+            else:
+                self._write(offset, nonce, pool.node, pool.epoch, deadline, keys)
         except BaseException:
             pool.free(offset)
             raise
         return offset, nonce
+
+    def _write(self, offset: int, nonce: int, node: int, epoch: int, deadline: float,
+               keys: np.ndarray) -> None:
+        """The whole record, taken line zeroed, copied in: in memory on
+        return (R3)."""
+        chosen = keys.tobytes()
+        head = _HEAD.pack(_MAGIC, nonce, node, epoch, deadline, len(keys), 0)
+        check = xxh64(head[:_CHECKED] + chosen, nonce)
+        body = head[:_CHECKED] + struct.pack("<Q", check) + bytes(_KEYS_AT - _HEAD.size) + chosen
+        self.pool.region.copy_in(offset, body)
 
     def read(self, ticket: str) -> Record | None:
         """The live record a ticket names, read fresh (R4) and checked
@@ -131,21 +153,31 @@ class HandoffRecords:
         if offset % LINE or not low <= offset <= high - _KEYS_AT:
             raise ValueError(f"handoff ticket {ticket!r} names offset {offset}, which is not a "
                              f"line inside the heap [{low}, {high})")
+        now = self.pool.clock.wall()
+        found = self.fast.read(offset, nonce, now) if self.fast is not None else \
+            self._read(offset, nonce, now)
+        return None if found is None else Record(offset, nonce, *found)
+
+    def _read(self, offset: int, nonce: int, now: float):
+        """(node, epoch, deadline, keys) of the live record at ``offset``:
+        its head line dropped, fenced, read and checked, then its keys
+        dropped, fenced and read, and the whole held to its check word; None
+        when there is none."""
+        high = self.pool.index.heap[1]
         region = self.pool.region
         region.invalidate(offset, LINE, payload=True)
         region.fence()
         head = region.read(offset, _HEAD.size)
         magic, found, node, epoch, deadline, count, check = _HEAD.unpack(head)
         if magic != _MAGIC or found != nonce or node >= self.pool.header.max_nodes or \
-                count > (high - offset - _KEYS_AT) // 16 or deadline < self.pool.clock.wall():
+                count > (high - offset - _KEYS_AT) // 16 or deadline < now:
             return None
         region.invalidate(offset + _KEYS_AT, count * 16, payload=True)
         region.fence()
         chosen = region.read(offset + _KEYS_AT, count * 16)
         if xxh64(head[:_CHECKED] + chosen, nonce) != check:
             return None
-        return Record(offset, nonce, node, epoch, deadline,
-                      np.frombuffer(chosen, np.uint64).reshape(count, 2))
+        return node, epoch, deadline, np.frombuffer(chosen, np.uint64).reshape(count, 2)
 
     def mark_taken(self, record: Record) -> None:
         """Write the record's taken line while its producer (node, epoch)
@@ -157,14 +189,29 @@ class HandoffRecords:
         if pool.nodes.read(record.node)[1] != record.epoch or \
                 not pool.space.liveness.live(record.node) or pool.clock.wall() >= record.deadline:
             return
-        pool.region.store_u64(record.offset + _TAKEN_AT, record.nonce ^ _TAKEN)
-        pool.region.flush(record.offset + _TAKEN_AT, LINE)
-        pool.region.fence()  # in memory when the decoder's take returns (R3)
+        if self.fast is not None:
+            self.fast.mark(record.offset, record.nonce)
+        else:
+            self._mark(record.offset, record.nonce)
+
+    def _mark(self, offset: int, nonce: int) -> None:
+        """The taken word written, flushed and fenced: in memory when the
+        decoder's take returns (R3)."""
+        region = self.pool.region
+        region.store_u64(offset + _TAKEN_AT, nonce ^ _TAKEN)
+        region.flush(offset + _TAKEN_AT, LINE)
+        region.fence()
 
     def taken(self, records: Sequence[tuple[int, int]]) -> list[bool]:
         """Whether the taken line of each record, given as (offset, nonce),
         holds its mark, read fresh (R4): one drop of all the lines, one
         fence."""
+        if self.fast is not None:
+            return self.fast.taken(np.array([offset for offset, _ in records], np.int64),
+                                   np.array([nonce for _, nonce in records], np.uint64))
+        return self._taken(records)
+
+    def _taken(self, records: Sequence[tuple[int, int]]) -> list[bool]:
         region = self.pool.region
         lines = np.array([offset + _TAKEN_AT for offset, _ in records], dtype=np.int64)
         region.invalidate_lines(lines, payload=True)
@@ -175,6 +222,12 @@ class HandoffRecords:
     def withdraw(self, offset: int) -> None:
         """Make the record at ``offset`` read as no record, in memory on
         return (R3); its memory is still freed no sooner than `free_at`."""
+        if self.fast is not None:
+            self.fast.withdraw(offset)
+        else:
+            self._withdraw(offset)
+
+    def _withdraw(self, offset: int) -> None:
         region = self.pool.region
         region.store_u64(offset, 0)  # the magic: a decoder finds no offer
         region.flush(offset, LINE)

@@ -52,6 +52,7 @@ Exit status 1 on any violation.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import random
@@ -153,6 +154,9 @@ def _worker(path, node, seed, point_name, after, stop, progress, failures, ticke
     from tract.pool import Pool
 
     arm(point_name, after)
+    # a survivor the campaign finds stalled is asked for its stacks (SIGUSR1)
+    stacks = open(_stack_file(path, node), "w")
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     rng = random.Random(seed)
     layout = _layout()
     size = layout.block_bytes
@@ -235,6 +239,29 @@ def _worker(path, node, seed, point_name, after, stop, progress, failures, ticke
     except BaseException:
         failures.put(f"node {node}: {traceback.format_exc(limit=6)}")
         raise SystemExit(1)
+
+
+def _stack_file(path: str, node: int) -> str:
+    return f"{path}.stacks-{node}"
+
+
+def _stacks(path: str, nodes, running) -> str:
+    """What each stalled survivor in ``nodes`` is doing: its threads'
+    stacks, asked for by SIGUSR1 (`_worker` registers faulthandler)."""
+    for node in nodes:
+        try:
+            os.kill(running[node][0].pid, signal.SIGUSR1)
+        except OSError:
+            pass
+    time.sleep(0.5)
+    found = []
+    for node in nodes:
+        try:
+            with open(_stack_file(path, node)) as handle:
+                found.append(f"node {node}:\n{handle.read()[-3000:]}")
+        except OSError as error:
+            found.append(f"node {node}: no stacks ({error})")
+    return "\n".join(found)
 
 
 def _start(context, args):
@@ -332,10 +359,12 @@ def campaign(points: int, seed: int = 0, workers: int = 3, lease: float = 0.4,
                     survivors = {other: progress[other] for other, (p, _, _) in
                                  running.items() if other != node and p.exitcode is None}
                     launch(node)
-                    waited = _await_progress(progress, survivors, running, died, bound)
-                    if waited is None:
-                        violations.append(f"kill {killed} ({name} on node {node}): a "
-                                          f"survivor made no progress in {bound:.2f} s")
+                    waited, stalled = _await_progress(progress, survivors, running, died,
+                                                      bound)
+                    if stalled:
+                        violations.append(f"kill {killed} ({name} on node {node}): survivors "
+                                          f"{stalled} made no progress in {bound:.2f} s; "
+                                          f"their stacks:\n{_stacks(path, stalled, running)}")
                     else:
                         recoveries.append(waited)
                     if progress_bar:
@@ -367,6 +396,9 @@ def campaign(points: int, seed: int = 0, workers: int = 3, lease: float = 0.4,
             print(file=sys.stderr)
     finally:
         Pool.destroy(path)
+        for node in range(workers + 1):
+            if os.path.exists(_stack_file(path, node)):
+                os.unlink(_stack_file(path, node))
     return {"points": killed, "violations": violations,
             "recovered_s_max": max(recoveries, default=0.0),
             "recovered_s_median": sorted(recoveries)[len(recoveries) // 2] if recoveries else 0.0,
@@ -437,10 +469,11 @@ def soak(seconds: float, seed: int = 0, workers: int = 3, lease: float = 0.4) ->
 
 
 def _await_progress(progress, survivors: dict[int, int], running, died: float,
-                    bound: float) -> float | None:
+                    bound: float) -> tuple[float, list[int]]:
     """Seconds until every survivor in ``survivors`` (node -> its count at
-    the kill) completed an operation; None past ``bound``.  A survivor
-    that dies meanwhile is not waited for (its own kill is judged alone)."""
+    the kill) completed an operation, and the survivors that had not past
+    ``bound``.  A survivor that dies meanwhile is not waited for (its own
+    kill is judged alone)."""
     waiting = dict(survivors)
     while waiting:
         now = time.monotonic()
@@ -451,9 +484,9 @@ def _await_progress(progress, survivors: dict[int, int], running, died: float,
         if not waiting:
             break
         if now - died > bound:
-            return None
+            return now - died, sorted(waiting)
         time.sleep(0.002)
-    return time.monotonic() - died
+    return time.monotonic() - died, []
 
 
 def main(argv: list[str] | None = None) -> int:

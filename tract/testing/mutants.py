@@ -103,6 +103,8 @@ REGION_TESTS = ["tests/test_region.py::test_the_trace_records_each_primitive_of_
 NATIVE_SUITES: dict[str, tuple[str | None, list[str]]] = {
     "tract/_native/_allocfast.pyx": ("tract._native._allocfast",
                                      ["tests/test_alloc_fast.py", "tests/test_twins.py"]),
+    "tract/_native/_handofffast.pyx": ("tract._native._handofffast",
+                                       ["tests/test_handoff_fast.py"]),
     "tract/_native/_lockfast.pyx": ("tract._native._lockfast", ["tests/test_lock_fast.py"]),
     "tract/_native/_region.pyx": ("tract._native._region",
                                   [*REGION_TESTS, "tests/test_twins.py",
