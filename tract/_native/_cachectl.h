@@ -500,6 +500,11 @@ static const unsigned char TRACT_XXH3_SECRET[192] = {
     0x95, 0x16, 0x04, 0x28, 0xaf, 0xd7, 0xfb, 0xca, 0xbb, 0x4b, 0x40, 0x7e,
 };
 
+/* How far ahead of the stripe being hashed its source is prefetched: the
+ * fused copy loads, hashes and stores one stripe after another, so without
+ * it fewer misses are in flight than in a plain copy (measured on this
+ * machine: 0.84x a plain streaming copy without, 0.94-0.98x with). */
+#define TRACT_XXH3_PREFETCH 1024
 #define TRACT_XXH3_P32_1 0x9E3779B1ULL
 #define TRACT_XXH3_P32_2 0x85EBCA77ULL
 #define TRACT_XXH3_P32_3 0xC2B2AE3DULL
@@ -551,6 +556,7 @@ static void tract_xxh3_stripes_avx2(uint64_t acc64[8], const char *src, const un
     __m256i acc[2] = {_mm256_loadu_si256((const __m256i *)acc64),
                       _mm256_loadu_si256((const __m256i *)(acc64 + 4))};
     for (size_t s = 0; s < count; s++, src += 64, key += 8) {
+        _mm_prefetch(src + TRACT_XXH3_PREFETCH, _MM_HINT_T0);
         for (int j = 0; j < 2; j++) {
             __m256i data = _mm256_loadu_si256((const __m256i *)(src + 32 * j));
             __m256i mixed = _mm256_xor_si256(data,
@@ -571,25 +577,50 @@ static void tract_xxh3_stripes_avx2(uint64_t acc64[8], const char *src, const un
 #endif
 
 #ifdef TRACT_X86
-/* The same with AVX-512: one register per stripe (dst 64-aligned when nt). */
+/* The same with AVX-512: one register per stripe, two stripes a round into
+ * two accumulators (their sum is the one accumulator: the lanes only add
+ * within a block of stripes), dst 64-aligned when nt. */
+__attribute__((target("avx512f")))
+static inline __m512i tract_xxh3_mix512(__m512i data, const unsigned char *key)
+{
+    __m512i mixed = _mm512_xor_si512(data, _mm512_loadu_si512((const void *)key));
+    __m512i product = _mm512_mul_epu32(mixed, _mm512_shuffle_epi32(mixed, (_MM_PERM_ENUM)0x31));
+    return _mm512_add_epi64(product, _mm512_shuffle_epi32(data, (_MM_PERM_ENUM)0x4E));
+}
+
 __attribute__((target("avx512f")))
 static void tract_xxh3_stripes_avx512(uint64_t acc64[8], const char *src,
                                       const unsigned char *key, size_t count, char *dst, int nt)
 {
-    __m512i acc = _mm512_loadu_si512((const void *)acc64);
-    for (size_t s = 0; s < count; s++, src += 64, key += 8) {
+    __m512i acc = _mm512_loadu_si512((const void *)acc64), odd = _mm512_setzero_si512();
+    size_t s = 0;
+    for (; s + 2 <= count; s += 2, src += 128, key += 16) {
+        _mm_prefetch(src + TRACT_XXH3_PREFETCH, _MM_HINT_T0);
+        _mm_prefetch(src + TRACT_XXH3_PREFETCH + 64, _MM_HINT_T0);
+        __m512i first = _mm512_loadu_si512((const void *)src);
+        __m512i second = _mm512_loadu_si512((const void *)(src + 64));
+        if (dst) {
+            if (nt) {
+                _mm512_stream_si512((void *)dst, first);
+                _mm512_stream_si512((void *)(dst + 64), second);
+            } else {
+                _mm512_storeu_si512((void *)dst, first);
+                _mm512_storeu_si512((void *)(dst + 64), second);
+            }
+            dst += 128;
+        }
+        acc = _mm512_add_epi64(acc, tract_xxh3_mix512(first, key));
+        odd = _mm512_add_epi64(odd, tract_xxh3_mix512(second, key + 8));
+    }
+    if (s < count) {
         __m512i data = _mm512_loadu_si512((const void *)src);
-        __m512i mixed = _mm512_xor_si512(data, _mm512_loadu_si512((const void *)key));
-        __m512i product = _mm512_mul_epu32(mixed, _mm512_shuffle_epi32(mixed, (_MM_PERM_ENUM)0x31));
-        __m512i swapped = _mm512_shuffle_epi32(data, (_MM_PERM_ENUM)0x4E);
-        acc = _mm512_add_epi64(acc, _mm512_add_epi64(product, swapped));
         if (dst) {
             if (nt) _mm512_stream_si512((void *)dst, data);
             else _mm512_storeu_si512((void *)dst, data);
-            dst += 64;
         }
+        acc = _mm512_add_epi64(acc, tract_xxh3_mix512(data, key));
     }
-    _mm512_storeu_si512((void *)acc64, acc);
+    _mm512_storeu_si512((void *)acc64, _mm512_add_epi64(acc, odd));
 }
 #endif
 

@@ -245,9 +245,13 @@ def _stack_file(path: str, node: int) -> str:
     return f"{path}.stacks-{node}"
 
 
-def _stacks(path: str, nodes, running) -> str:
-    """What each stalled survivor in ``nodes`` is doing: its threads'
-    stacks, asked for by SIGUSR1 (`_worker` registers faulthandler)."""
+def _stalled(path: str, nodes, running, progress) -> str:
+    """What each stalled survivor in ``nodes`` is doing (how long since it
+    started, its count of operations, its threads' stacks, asked for by
+    SIGUSR1: `_worker` registers faulthandler), and the pool's nodes,
+    manager and lock holders."""
+    from tract.pool import pool_info
+
     for node in nodes:
         try:
             os.kill(running[node][0].pid, signal.SIGUSR1)
@@ -255,12 +259,20 @@ def _stacks(path: str, nodes, running) -> str:
             pass
     time.sleep(0.5)
     found = []
+    try:
+        info = pool_info(path, watch=0.1)
+        found.append(json.dumps({key: info[key] for key in ("nodes", "manager", "locks")}))
+    except Exception as error:  # a diagnosis must not hide the violation
+        found.append(f"pool info: {error!r}")
     for node in nodes:
+        process, point, since = running[node]
+        found.append(f"node {node} (pid {process.pid}, armed at {point}, started "
+                     f"{time.monotonic() - since:.2f} s ago, {progress[node]} operations):")
         try:
             with open(_stack_file(path, node)) as handle:
-                found.append(f"node {node}:\n{handle.read()[-3000:]}")
+                found.append(handle.read()[-3000:] or "(no stacks written)")
         except OSError as error:
-            found.append(f"node {node}: no stacks ({error})")
+            found.append(f"no stacks ({error})")
     return "\n".join(found)
 
 
@@ -362,9 +374,10 @@ def campaign(points: int, seed: int = 0, workers: int = 3, lease: float = 0.4,
                     waited, stalled = _await_progress(progress, survivors, running, died,
                                                       bound)
                     if stalled:
+                        seen = _stalled(path, stalled, running, progress)
                         violations.append(f"kill {killed} ({name} on node {node}): survivors "
                                           f"{stalled} made no progress in {bound:.2f} s; "
-                                          f"their stacks:\n{_stacks(path, stalled, running)}")
+                                          f"what they do:\n{seen}")
                     else:
                         recoveries.append(waited)
                     if progress_bar:
