@@ -1,7 +1,8 @@
 """asv: moving KV blocks (`tract bench transfer`, the tract side): put
 (reserve, copy, checksum, publish) and get (pin, fresh copy, checksum
-check, unpin) of 8 blocks, next to memcpy and the non-temporal copy of the
-same bytes, their baselines, and the two copies a CPU handoff must make
+check, unpin) of 8 blocks, next to memcpy (with and without the drop a fresh
+read needs first) and the non-temporal copy of the same bytes, their
+baselines, and the two copies a CPU handoff must make
 (``two_copy_best``); and the handoff of 8 blocks from this process
 (prefill, node 0) to a decode process on node 1, ticket sent by a pipe."""
 
@@ -41,6 +42,15 @@ class Blocks:
     def time_memcpy(self, size, checksum):
         for a, b in zip(self.blocks, self.outs):
             np.copyto(b, a)
+
+    def time_memcpy_dropping(self, size, checksum):
+        """The least a fresh read costs (R4): the ranges dropped and fenced,
+        then memcpy out of the pool."""
+        for offset in self.offsets.tolist():
+            self.pool.region.invalidate(offset, size, payload=True)
+        self.pool.region.fence()
+        for offset, out in zip(self.offsets.tolist(), self.outs):
+            np.copyto(out, np.frombuffer(self.pool.region.view(offset, size), np.uint8))
 
     def time_nontemporal_copy(self, size, checksum):
         self.pool.region.copy_in_blocks(self.offsets, self.blocks)
