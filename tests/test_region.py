@@ -285,6 +285,49 @@ def test_block_copies_move_exactly_their_bytes(copy_regions, checksums, piece):
             assert int(sums_in[0]) == digest(sources[0][:unit], 9), kind
 
 
+@pytest.mark.parametrize("checksums", [False, True], ids=["plain", "digests"])
+def test_a_big_copy_out_streams_exactly_its_bytes(copy_regions, checksums):
+    """A `copy_out_blocks` batch of `STREAM_OUT_BYTES` or more goes into its
+    targets by streaming stores: for every copy kind, into line-aligned and
+    unaligned targets of whole and partial lines, each target gets exactly
+    its bytes and nothing beside them changes, the digests are those of the
+    bytes, and the trace is the reference's: each range dropped, one fence
+    (the fence that makes the targets' streaming stores visible is no
+    protocol step, so it is not traced)."""
+    from tract._native._region import STREAM_OUT_BYTES
+
+    rng = numpy.random.default_rng(checksums)
+    piece = 4100  # no whole number of lines: every target ends mid-line
+    sizes = [piece * 210, piece * 160, piece * 150]  # 2.1 MB in all
+    assert sum(sizes) >= STREAM_OUT_BYTES
+    offsets = numpy.array([0, sizes[0] + 64, sizes[0] + sizes[1] + 192], dtype=numpy.int64)
+    sources = [rng.integers(0, 256, size, dtype=numpy.uint8) for size in sizes]
+    for kind, region in copy_regions.items():
+        region.copy_in_blocks(offsets, sources)
+        for shift in (0, 8, 24):  # targets at a line, and off it
+            backing = [numpy.full(size + 128, 0x5A, dtype=numpy.uint8) for size in sizes]
+            starts = [(-b.ctypes.data % 64) + shift for b in backing]
+            targets = [b[start:start + size] for b, start, size in zip(backing, starts, sizes)]
+            count = sum(size // piece for size in sizes)
+            sums = numpy.zeros(count, numpy.uint64) if checksums else None
+            region.trace_start(1 << 16)
+            region.copy_out_blocks(offsets, targets, sums, 9, piece)
+            big = region.trace_stop()
+            for b, start, size, source in zip(backing, starts, sizes, sources):
+                assert numpy.array_equal(b[start:start + size], source), (kind, shift)
+                assert (b[:start] == 0x5A).all() and (b[start + size:] == 0x5A).all(), \
+                    (kind, shift)
+            if checksums:
+                want = [digest(source[at:at + piece], 9) for source in sources
+                        for at in range(0, source.size, piece)]
+                assert sums.tolist() == want, (kind, shift)
+            region.trace_start(1 << 16)  # the reference: each range dropped, one fence
+            for offset, size in zip(offsets.tolist(), sizes):
+                region.invalidate(offset, size, payload=True)
+            region.fence()
+            assert big.tolist() == region.trace_stop().tolist(), (kind, shift)
+
+
 def test_the_trace_records_each_primitive_of_its_own_thread(region):
     """Every line a flush, invalidate or write-back touches, with its
     instruction, and every fence, in order; nothing of another thread,

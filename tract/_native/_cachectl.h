@@ -379,6 +379,41 @@ static inline void tract_copy_in_nt(int kind, int insn, char *dst, const char *s
     tract_store_fence();
 }
 
+/* Copy n bytes out of the mapping into private memory (an engine's buffer)
+ * by streaming stores where the destination is line-aligned: a big copy
+ * then reads no destination line it is about to overwrite (a memcpy's
+ * stores read each one first).  No cache control: the destination is no
+ * pool memory.  The caller ends the batch with tract_private_fence, so
+ * other threads and devices see the bytes once the call returns. */
+static inline void tract_stream_out(int kind, char *dst, const char *src, size_t n)
+{
+#ifdef TRACT_X86
+    size_t body = n & ~(size_t)(TRACT_LINE - 1);
+    if (!((uintptr_t)dst & (TRACT_LINE - 1)) && body && kind != TRACT_NT_NONE) {
+        if (kind == TRACT_NT_AVX512) tract_stream_avx512(dst, src, body);
+        else if (kind == TRACT_NT_AVX2) tract_stream_avx2(dst, src, body);
+        else tract_stream_sse2(dst, src, body);
+        memcpy(dst + body, src + body, n - body);
+        return;
+    }
+#else
+    (void)kind;
+#endif
+    memcpy(dst, src, n);
+}
+
+/* Streaming stores into private memory visible to every other agent: a
+ * store fence that is no protocol step (nothing of the pool's is ordered by
+ * it), so it is not traced. */
+static inline void tract_private_fence(void)
+{
+#ifdef TRACT_X86
+    _mm_sfence();
+#else
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+#endif
+}
+
 /* ----------------------------------------------------------- checksums */
 
 /* XXH64 (bit-exact with the reference: `xxhash.xxh64`): the digest of small

@@ -47,6 +47,8 @@ cdef extern from "_cachectl.h" nogil:
     void tract_load_fence() noexcept
     void tract_copy_in_nt(int kind, int insn, char *dst, const char *src, size_t n) noexcept
     void tract_stream_in(int kind, int insn, char *dst, const char *src, size_t n) noexcept
+    void tract_stream_out(int kind, char *dst, const char *src, size_t n) noexcept
+    void tract_private_fence() noexcept
     uint64_t tract_cas_u64(uint64_t *addr, uint64_t expected, uint64_t desired) noexcept
     uint32_t tract_add_u32_bounded(uint32_t *addr, int64_t delta) noexcept
     uint64_t tract_add_u64(uint64_t *addr, int64_t delta) noexcept
@@ -59,6 +61,11 @@ cdef extern from "_cachectl.h" nogil:
     int TRACT_TRACE_FENCE, TRACT_TRACE_STORE_FENCE, TRACT_TRACE_LOAD_FENCE
 
 LINE = TRACT_LINE
+#: a `Region.copy_out_blocks` batch this big or bigger goes into the targets by
+#: streaming stores: it would not stay in the caches, and a plain copy reads each
+#: target line before overwriting it (measured: 1.29x memcpy's rate at 256 KiB)
+cdef int64_t _STREAM_OUT = 2 << 20
+STREAM_OUT_BYTES = _STREAM_OUT
 CHECK_PRIME, CHECK_ADD = TRACT_CHECK_PRIME, TRACT_CHECK_ADD  # tract.lines has the same
 BUILD_PATH = TRACT_BUILD_PATH.decode()
 
@@ -397,27 +404,39 @@ cdef class Region:
         """Fill each buffer of ``targets`` from its offset, fresh: every
         range is dropped first (the payload instruction), then one fence
         (R4).  With ``sums``: the `digest` (``seed``) of each ``piece``
-        bytes copied, in order (of each whole target when ``piece`` is 0)."""
+        bytes copied, in order (of each whole target when ``piece`` is 0).
+        A batch of `STREAM_OUT_BYTES` or more goes into the targets by
+        streaming stores (the line-aligned parts), fenced before the call
+        returns."""
         cdef Py_ssize_t n = offsets.shape[0], i, got = 0
         cdef Py_buffer *views = self._views(offsets, targets, sums, piece, True, &got)
-        cdef int64_t at, size, k = 0
+        cdef int64_t at, size, k = 0, total = 0
+        cdef bint stream
         try:
             with nogil:
                 for i in range(n):
                     tract_lines(self._payload_insn, self._base + offsets[i], views[i].len)
+                    total += views[i].len
                 tract_fence()
+                stream = total >= _STREAM_OUT and self._nt_kind != TRACT_NT_NONE
                 for i in range(n):
                     size = piece if piece > 0 else views[i].len
                     if sums is None:
-                        memcpy(views[i].buf, self._base + offsets[i], views[i].len)
+                        if stream:
+                            tract_stream_out(self._nt_kind, <char *>views[i].buf,
+                                             self._base + offsets[i], views[i].len)
+                        else:
+                            memcpy(views[i].buf, self._base + offsets[i], views[i].len)
                         continue
                     at = 0
                     while at < views[i].len:
                         sums[k] = tract_digest_copy(<char *>views[i].buf + at,
-                                                    self._base + offsets[i] + at, size, seed, 0,
-                                                    self._nt_kind, self._writeback_insn)
+                                                    self._base + offsets[i] + at, size, seed,
+                                                    stream, self._nt_kind, TRACT_INSN_NONE)
                         k += 1
                         at += size
+                if stream:
+                    tract_private_fence()
         finally:
             for i in range(got):
                 PyBuffer_Release(&views[i])
