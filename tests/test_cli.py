@@ -9,6 +9,7 @@ import pytest
 
 from tract import bench
 from tract.cli import main
+from tract.errors import ConfigError
 
 
 def _tract(*args, timeout=600):
@@ -153,6 +154,44 @@ def test_manager_command_grants_and_stops_on_sigterm(pool_path):
 def test_pool_create_refuses_a_bad_size(pool_path):
     with pytest.raises(SystemExit, match="is not a number of bytes"):
         main(["pool", "create", pool_path, "--size", "lots"])
+
+
+def test_pools_created_with_one_hash_key_make_the_same_keys(tmp_path, capsys):
+    """Two pools (two racks) created from one key file key the same tokens
+    and checksum the same bytes alike; a pool of its own random key does
+    not; a file that holds no 16-byte key is refused by name."""
+    import numpy as np
+
+    from tract.connector import Connector
+    from tract.pool import Pool
+    from tract.transfer import KVLayout
+
+    key = tmp_path / "key"
+    key.write_text("00112233445566778899aabbccddeeff\n")
+    paths = [str(tmp_path / name) for name in ("a", "b", "c")]
+    for path in paths[:2]:
+        main(["pool", "create", path, "--size", "8M", "--max-nodes", "2", "--hash-key-file",
+              str(key)])
+    main(["pool", "create", paths[2], "--size", "8M", "--max-nodes", "2"])
+    layout = KVLayout(model="m", dtype="uint8", num_layers=1, num_kv_heads=1, head_size=64,
+                      block_size=4)
+    tokens = np.arange(16, dtype=np.int64)
+    made = []
+    for path in paths:
+        with Pool.open(path, 0) as pool:
+            connector = Connector(pool, layout)
+            made.append((pool.header.hash_key, connector.keys(tokens).tolist(),
+                         connector.transfer.seed))
+            connector.close()
+    assert made[0] == made[1] and made[0][0] == bytes.fromhex("00112233445566778899aabbccddeeff")
+    assert made[2][1] != made[0][1] and made[2][2] != made[0][2]
+    key.write_text("0011")
+    assert main(["pool", "create", str(tmp_path / "d"), "--size", "8M", "--hash-key-file",
+                 str(key)]) != 0
+    assert "a hash key is 32 hex digits" in capsys.readouterr().err
+    assert not (tmp_path / "d").exists()
+    with pytest.raises(ConfigError, match="hash_key must be 16 bytes"):
+        Pool.create(str(tmp_path / "e"), 8 << 20, hash_key=b"short")
 
 
 def test_stat_prints_and_exports_a_pools_counters(tmp_path):

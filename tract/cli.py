@@ -92,6 +92,24 @@ def _manager(args: argparse.Namespace) -> int:
     return 0
 
 
+def _hash_key(path: str | None) -> bytes | None:
+    """The 16-byte key in ``path`` (32 hex digits, or a line of them), or None."""
+    if path is None:
+        return None
+    from tract.errors import ConfigError
+
+    with open(path) as handle:
+        text = handle.read().strip()
+    try:
+        key = bytes.fromhex(text)
+    except ValueError:
+        key = b""
+    if len(key) != 16:
+        raise ConfigError(f"{path}: a hash key is 32 hex digits (16 bytes), as `python -c "
+                          f"\"import os; print(os.urandom(16).hex())\"` makes")
+    return key
+
+
 def _pool_create(args: argparse.Namespace) -> int:
     from tract.pool import Pool
 
@@ -99,7 +117,8 @@ def _pool_create(args: argparse.Namespace) -> int:
     Pool.create(args.path, size, max_nodes=args.max_nodes, lock_mode=args.lock_mode,
                 coherence=args.coherence, flush=args.flush, lease_timeout=args.lease,
                 chunk_size=_size(args.chunk_size), max_objects=args.max_objects,
-                index_capacity=args.index_capacity, mode=0o660 if args.group else 0o600)
+                index_capacity=args.index_capacity, mode=0o660 if args.group else 0o600,
+                hash_key=_hash_key(args.hash_key_file))
     print(f"created pool {args.path}: {args.size or 'whole device'}, {args.chunk_size} chunks, "
           f"{args.max_nodes} "
           f"nodes, {args.lock_mode} locks, coherence {args.coherence}")
@@ -260,6 +279,9 @@ def main(argv: list[str] | None = None) -> int:
     create.add_argument("--coherence", choices=("none", "hardware"), default="none")
     create.add_argument("--flush", choices=("clflush", "clflushopt", "clwb"), default=None)
     create.add_argument("--lease", type=float, default=2.0, help="lease timeout, seconds")
+    create.add_argument("--hash-key-file", default=None, metavar="FILE",
+                        help="a file of 32 hex digits: the key of every block key and checksum "
+                             "(default random); pools that share a cluster tier share it")
     create.add_argument("--group", action="store_true",
                         help="let the file's group read and write it (mode 0660; default 0600)")
     create.set_defaults(handler=_pool_create)

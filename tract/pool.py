@@ -112,8 +112,17 @@ def default_index_capacity(size: int) -> int:
 def format_pool(region, *, max_nodes: int = 16, locks=DEFAULT_LOCKS, max_locks: int = 16,
                 lock_mode: str = "manager", lease_timeout: float = 2.0,
                 chunk_size: int = DEFAULT_CHUNK, max_objects: int = 256,
-                index_capacity: int | None = None) -> None:
-    """Write a fresh pool header and zeroed metadata into ``region``."""
+                index_capacity: int | None = None, hash_key: bytes | None = None) -> None:
+    """Write a fresh pool header and zeroed metadata into ``region``.
+
+    ``hash_key``: the 16 secret bytes every block key and checksum of the
+    pool is keyed with; random when None.  Pools that must make the same
+    keys for the same blocks (racks sharing one cluster tier) are created
+    with the same key; whoever knows it can compute a pool's keys."""
+    if hash_key is None:
+        hash_key = os.urandom(16)
+    elif not isinstance(hash_key, bytes) or len(hash_key) != 16:
+        raise ConfigError(f"hash_key must be 16 bytes, got {hash_key!r:.40}")
     if not 1 <= max_nodes <= MAX_NODES:
         raise ConfigError(f"max_nodes must be in 1..{MAX_NODES}, got {max_nodes}")
     if not 1 <= max_locks <= 1024 or len(locks) > max_locks:
@@ -162,7 +171,7 @@ def format_pool(region, *, max_nodes: int = 16, locks=DEFAULT_LOCKS, max_locks: 
     for field, value in fields.items():
         region.store_u64(_F[field], value)
     region.copy_in(_F["uuid"], uuid.uuid4().bytes, nontemporal=False)
-    region.copy_in(_F["hash_key"], os.urandom(16), nontemporal=False)
+    region.copy_in(_F["hash_key"], hash_key, nontemporal=False)
     for index, name in enumerate(locks):
         region.copy_in(areas["names"] + index * NAME_BYTES, name.encode(), nontemporal=False)
     region.flush(0, areas["heap"])
