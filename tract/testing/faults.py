@@ -245,6 +245,16 @@ def _stack_file(path: str, node: int) -> str:
     return f"{path}.stacks-{node}"
 
 
+def _destroy(path: str, workers: int) -> None:
+    """The pool and the workers' stack files."""
+    from tract.pool import Pool
+
+    Pool.destroy(path)
+    for node in range(workers + 1):
+        if os.path.exists(_stack_file(path, node)):
+            os.unlink(_stack_file(path, node))
+
+
 def _stalled(path: str, nodes, running, progress) -> str:
     """What each stalled survivor in ``nodes`` is doing (how long since it
     started, its count of operations, its threads' stacks, asked for by
@@ -408,10 +418,7 @@ def campaign(points: int, seed: int = 0, workers: int = 3, lease: float = 0.4,
         if progress_bar:
             print(file=sys.stderr)
     finally:
-        Pool.destroy(path)
-        for node in range(workers + 1):
-            if os.path.exists(_stack_file(path, node)):
-                os.unlink(_stack_file(path, node))
+        _destroy(path, workers)
     return {"points": killed, "violations": violations,
             "recovered_s_max": max(recoveries, default=0.0),
             "recovered_s_median": sorted(recoveries)[len(recoveries) // 2] if recoveries else 0.0,
@@ -476,7 +483,7 @@ def soak(seconds: float, seed: int = 0, workers: int = 3, lease: float = 0.4) ->
             violations.append(f"fsck after the soak: {report['problems'][:2]}")
         operations = sum(progress)
     finally:
-        Pool.destroy(path)
+        _destroy(path, workers)
     return {"seconds": seconds, "workers": workers, "operations": operations,
             "violations": violations, "seed": seed}
 
