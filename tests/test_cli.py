@@ -33,6 +33,45 @@ def test_info_text(capsys):
     assert "chosen" in out and "coherence      none" in out
 
 
+def test_the_index_floor_replays_a_traces_traffic_alone():
+    """`tract bench index`'s floor: lines dropped are read after the next
+    fence, lines written back are stored to first, other mappings' ops and
+    fences are as traced."""
+    import numpy as np
+
+    from tract._native._region import INSTRUCTIONS, TRACE_FENCE
+    from tract.bench import index
+    from tract.region import scratch_region
+
+    region = scratch_region(4096, name="test-floor")
+    try:
+        region.store_u64(64, 5)
+        region.store_u64(128, 7)
+        flush, fresh = INSTRUCTIONS["clflush"], INSTRUCTIONS["clflushopt"]
+        ops = np.array([fresh, fresh, TRACE_FENCE, flush, TRACE_FENCE, fresh], np.int64)
+        offsets = np.array([64, 128, -1, 192, -1, 64], np.int64)
+        reads = np.empty(ops.size, np.int64)
+        # the last drop has no fence after it: never read
+        assert index.replay(region.base, ops, offsets, flush, fresh, TRACE_FENCE, reads) == 12
+        assert region.load_u64(192) == 3  # stored to (its op's position) before its write-back
+        assert region.load_u64(64) == 5 and region.load_u64(128) == 7
+    finally:
+        region.close()
+
+
+@pytest.mark.multiprocess  # the bench's lock manager
+def test_bench_index_reports_each_steps_floor():
+    done = _tract("bench", "index", "--json", "--quick")
+    assert done.returncode == 0, done.stderr
+    results = {result["name"]: result for result in json.loads(done.stdout)["results"]}
+    for step in ("lookup+pin+validate+unpin", "reserve+publish"):
+        floor = results[f"index[{step},floor]"]
+        assert floor["baseline"] == "store_flush_fence" and floor["value"] > 0
+        against = results[f"index[{step}] vs floor"]
+        assert against["baseline_value"] == floor["value"]
+        assert against["value"] == results[f"index[{step}{',hit' if 'pin' in step else ''}]"]["value"]
+
+
 def test_bench_list_and_unknown(capsys):
     assert main(["bench", "--list"]) == 0
     assert "region" in capsys.readouterr().out.split()
