@@ -69,7 +69,8 @@ def test_bench_index_reports_each_steps_floor():
         assert floor["baseline"] == "store_flush_fence" and floor["value"] > 0
         against = results[f"index[{step}] vs floor"]
         assert against["baseline_value"] == floor["value"]
-        assert against["value"] == results[f"index[{step}{',hit' if 'pin' in step else ''}]"]["value"]
+        timed = f"index[{step},hit]" if "pin" in step else f"index[{step}]"
+        assert against["value"] == results[timed]["value"]
 
 
 def test_bench_list_and_unknown(capsys):
