@@ -1,5 +1,5 @@
 """The `tract` command: `tract info`, `tract bench NAME`, `tract manager`,
-`tract pool create`, `tract demo`."""
+`tract pool create`, `tract tier check`, `tract demo`."""
 
 from __future__ import annotations
 
@@ -236,6 +236,53 @@ def _stat(args: argparse.Namespace) -> int:
                 server.shutdown()
 
 
+def _tier_check(args: argparse.Namespace) -> int:
+    """Whether a tier answers: one probe block put, found, got back
+    byte-exact and removed, each step timed.  0 when it does, 1 when it
+    does not (the reason printed), 2 for a bad URL."""
+    import os
+    import time
+
+    import numpy as np
+
+    from tract.tier import open_tier
+
+    try:
+        tier = open_tier(args.url, timeout=args.timeout)
+    except (TractError, ValueError) as error:
+        print(f"tract tier check: {error}", file=sys.stderr)
+        return 2
+    key = np.frombuffer(os.urandom(16), np.uint64).reshape(1, 2)
+    block = np.frombuffer(os.urandom(args.size), np.uint8)
+    back = np.zeros(args.size, np.uint8)
+    steps = {"put": lambda: tier.put_from(key, [block]).all(),
+             "exists": lambda: tier.exists(key).all(),
+             "get": lambda: tier.get_into(key, [back]).all() and np.array_equal(back, block),
+             "remove": lambda: tier.remove(key) == 1}
+    times, failed = {}, None
+    try:
+        for name, step in steps.items():
+            start = time.perf_counter()
+            ok = step()
+            times[name] = (time.perf_counter() - start) * 1e3
+            if not ok:
+                failed = f"{name} failed" + (f": {tier.down}" if getattr(tier, "down", None)
+                                             else "")
+                break
+    finally:
+        tier.close()
+    if args.json:
+        print(json.dumps({"url": args.url, "answers": failed is None, "problem": failed,
+                          "ms": times, "bytes": args.size}))
+    elif failed is None:
+        print(f"tier {args.url} answers: " + ", ".join(
+            f"{name} {ms:.2f} ms" for name, ms in times.items()) + f" ({args.size} bytes, "
+            "got back byte-exact)")
+    else:
+        print(f"tier {args.url} does not answer: {failed}")
+    return 0 if failed is None else 1
+
+
 def _demo(args: argparse.Namespace) -> int:
     from tract import demo
 
@@ -313,6 +360,18 @@ def main(argv: list[str] | None = None) -> int:
                       help="export the counters for Prometheus on this port (runs until ^C)")
     stat.add_argument("--prometheus-host", default="127.0.0.1", help="address to listen on")
     stat.set_defaults(handler=_stat)
+
+    tier = commands.add_parser("tier", help="tiers below the rack (Mooncake Store)")
+    tier_commands = tier.add_subparsers(dest="tier_command", required=True)
+    check_tier = tier_commands.add_parser("check", help="whether a tier answers: a probe "
+                                          "block put, found, got back and removed")
+    check_tier.add_argument("url", help="mooncake://MASTER_HOST:PORT?metadata=URL&...")
+    check_tier.add_argument("--timeout", type=float, default=5.0,
+                            help="seconds any one store call may take (default 5)")
+    check_tier.add_argument("--size", type=int, default=1 << 20,
+                            help="bytes of the probe block (default 1 MiB)")
+    check_tier.add_argument("--json", action="store_true", help="print one JSON object")
+    check_tier.set_defaults(handler=_tier_check)
 
     demo = commands.add_parser("demo", help="disaggregated prefill/decode of a small Llama "
                                "across emulated nodes, KV through the pool vs TCP")
