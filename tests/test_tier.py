@@ -215,3 +215,155 @@ def test_tier_check_says_whether_a_tier_answers(store, capsys):
     assert not report["answers"] and "does not answer" in report["problem"]
     assert main(["tier", "check", "mooncake://127.0.0.1:1?colour=red"]) == 2
     assert "unknown option 'colour'" in capsys.readouterr().err
+
+
+# ------------------------------------------------------- the connector's policy
+
+LAYOUT = None  # made on first use (tract.transfer imports torch lazily)
+
+
+def _layout():
+    global LAYOUT
+    if LAYOUT is None:
+        from tract.transfer import KVLayout
+
+        LAYOUT = KVLayout(model="tiny-llama", dtype="float16", num_layers=2, num_kv_heads=2,
+                          head_size=16, block_size=4)
+    return LAYOUT
+
+
+@contextlib.contextmanager
+def _racks(key=b"k" * 16, count=2, capacity=256):
+    """``count`` racks: pools made from one hash key, each opened by its
+    node 0 (its own manager), removed after."""
+    import os
+    import uuid
+
+    from tract.pool import Pool
+
+    paths = [f"/dev/shm/tract-test-tier-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+             for _ in range(count)]
+    pools = []
+    try:
+        for path in paths:
+            Pool.create(path, 32 << 20, chunk_size=1 << 16, max_nodes=4, lease_timeout=1.0,
+                        index_capacity=capacity, hash_key=key)
+            pools.append(Pool.open(path, 0, manager=True))
+        yield paths, pools
+    finally:
+        for pool in pools:
+            pool.close()
+        for path in paths:
+            if os.path.exists(path):
+                Pool.destroy(path)
+
+
+def _tokens(seed, blocks):
+    return np.random.default_rng(seed).integers(0, 32000, blocks * _layout().block_size,
+                                                dtype=np.int32)
+
+
+def _kv(seed, blocks):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, _layout().block_bytes, dtype=np.uint8) for _ in range(blocks)]
+
+
+def _empty(count):
+    return [np.zeros(_layout().block_bytes, np.uint8) for _ in range(count)]
+
+
+def test_a_prefix_stored_in_one_rack_is_loaded_by_another_and_promoted(store):
+    from tract.connector import Connector
+    from tract.fsck import fsck
+
+    tokens, kv = _tokens(10, 6), _kv(10, 6)
+    with _racks() as (paths, (rack_a, rack_b)):
+        prefill = Connector(rack_a, _layout(), tier=store.url())
+        decode = Connector(rack_b, _layout(), tier=store.url())
+        try:
+            assert prefill.store(tokens[:4 * 4], kv[:4]) == 4  # written through
+            assert prefill.stats["tier_stored_blocks"] == 4
+            assert rack_b.index.lookup(decode.keys(tokens)) == 0
+            assert decode.lookup(tokens) == 4 * 4  # none in its rack, 4 in the cluster
+            out = _empty(6)
+            assert decode.load(tokens, out) == 4
+            assert all(np.array_equal(a, b) for a, b in zip(out[:4], kv[:4]))
+            assert decode.stats["tier_hit_blocks"] == decode.stats["tier_promotions"] == 4
+            assert decode.stats["tier_miss_blocks"] == 2 and decode.stats["miss_blocks"] == 2
+            # promoted: rack B's own pool holds them now, for every node of the rack
+            assert rack_b.index.lookup(decode.keys(tokens)) == 4
+            counters = rack_b.counters()
+            assert counters[0]["tier_hit_blocks"] == 4 and counters[0]["tier_promotions"] == 4
+        finally:
+            prefill.close()
+            decode.close()
+        for path in paths:
+            assert fsck(path, watch=False)["ok"]
+
+
+def test_tenants_with_other_salts_share_no_cluster_block(store):
+    from tract.connector import Connector
+
+    tokens, kv = _tokens(11, 3), _kv(11, 3)
+    with _racks() as (_, (rack_a, rack_b)):
+        alice = Connector(rack_a, _layout(), tier=store.url(), salt="alice")
+        mallory = Connector(rack_b, _layout(), tier=store.url(), salt="mallory")
+        alice_b = Connector(rack_b, _layout(), tier=store.url(), salt="alice")
+        try:
+            assert alice.store(tokens, kv) == 3
+            assert mallory.lookup(tokens) == 0 and mallory.load(tokens, _empty(3)) == 0
+            assert alice_b.lookup(tokens) == 3 * 4
+        finally:
+            for connector in (alice, mallory, alice_b):
+                connector.close()
+
+
+def test_a_dead_tier_leaves_the_rack_serving_with_no_error_and_no_hang():
+    from tract.connector import Connector
+    from tract.fsck import fsck
+
+    dead = Store()
+    dead.start()
+    tokens, kv = _tokens(12, 4), _kv(12, 4)
+    try:
+        with _racks() as (paths, (rack_a, rack_b)):
+            url = dead.url(timeout=1.0, retry=60)
+            prefill, decode = Connector(rack_a, _layout(), tier=url), \
+                Connector(rack_b, _layout(), tier=url)
+            try:
+                assert prefill.store(tokens[:8], kv[:2]) == 2
+                dead.master_process.kill()
+                dead.master_process.wait()
+                start = time.monotonic()
+                assert prefill.store(tokens, kv) == 2  # the rack takes them all the same
+                assert decode.load(tokens, _empty(4)) == 0  # a miss, not an error
+                assert decode.lookup(tokens) == 0
+                out = _empty(4)
+                assert prefill.load(tokens, out) == 4  # the rack serves
+                assert all(np.array_equal(a, b) for a, b in zip(out, kv))
+                assert time.monotonic() - start < 4 * 1.0 * MARGIN
+                assert prefill.stats["tier_failures"] + decode.stats["tier_failures"] >= 2
+            finally:
+                prefill.close()
+                decode.close()
+            for path in paths:
+                assert fsck(path, watch=False)["ok"]
+    finally:
+        dead.stop()
+
+
+def test_every_adapter_takes_the_tier_options_by_name():
+    from tract.integrations.common import options
+
+    opts = options({"tract.pool": "/dev/shm/p", "tract.node": 1,
+                    "tract.tier": "mooncake://10.0.0.1:50051?metadata=http://10.0.0.1:80/m",
+                    "tract.tier_policy": "write_through"}, "config", "tract.")
+    assert opts.tier.startswith("mooncake://10.0.0.1:50051")
+    assert opts.tier_policy == "write_through"
+    assert options({"pool": "p", "node": 0}, "config").tier is None
+    with pytest.raises(ConfigError, match="tract.tier_policy must be one of"):
+        options({"tract.pool": "p", "tract.node": 0, "tract.tier_policy": "write_back"},
+                "config", "tract.")
+    with pytest.raises(ConfigError, match="tract.tier must be a tier URL"):
+        options({"tract.pool": "p", "tract.node": 0, "tract.tier": "redis://x"}, "config",
+                "tract.")

@@ -30,6 +30,22 @@ P/D handoff
     more: pins of a dead node do not count (R6), and its records go with its
     memory.
 
+Cluster tier
+    With a ``tier`` (`tract.tier`: Mooncake Store below the rack), a rack
+    miss falls to the cluster before the engine recomputes.  `lookup`
+    counts the rack's leading hits, then the tier's longest further run;
+    `load` fills the rack's hits from the pool and the next run from the
+    tier, and *promotes* what the tier gave: stores it into the pool, so
+    every node of the rack hits it next time.  `store` writes through: the
+    blocks go to the pool and to the tier (``tier_policy="write_through"``,
+    the only policy yet).  Write-through costs the tier a copy of every
+    stored block, but a rack that loses its pool, or evicts under
+    pressure, loses nothing the cluster had, and no eviction (which runs
+    inside another engine's store) waits on the network.  The tier's
+    failures are misses (it never raises for them and bounds every call),
+    and its checksums travel with its blocks.  Blocks on a CUDA device do
+    not go to the tier yet: for them it is as if there were none.
+
 Rules relied on: those of `tract.index` (pins, R3/R4 ordering of payloads
 and entries), `tract.transfer` (payloads in memory before publish;
 checksums) and `tract.handoff` (the records, their checks and their
@@ -51,6 +67,7 @@ from tract.hashing import BlockHasher
 from tract.index import Hits
 from tract.stats import COUNTERS
 from tract import _failpoints as faults
+from tract.tier import POLICIES, Tier, open_tier
 from tract.transfer import KVLayout, TransferEngine
 
 __all__ = ["NO_OFFER", "RELEASE_EVERY", "Connector", "Offer", "Stored", "Taken"]
@@ -94,7 +111,13 @@ class Connector:
 
     def __init__(self, pool, layout: KVLayout, *, checksum: bool = True,
                  handoff_ttl: float = 30.0, salt: str | bytes | None = None,
-                 timeout: float | None = 30.0):
+                 timeout: float | None = 30.0, tier: Tier | str | None = None,
+                 tier_policy: str = "write_through"):
+        if tier_policy not in POLICIES:
+            raise ValueError(f"tier_policy must be one of {POLICIES}, got {tier_policy!r}")
+        if tier is not None and not isinstance(tier, (Tier, str)):
+            raise ValueError(f"tier must be a tract.tier.Tier or its URL, got "
+                             f"{type(tier).__name__}")
         self.pool, self.layout, self.index = pool, layout, pool.index
         self.transfer = TransferEngine(pool, layout, checksum=checksum)
         self.handoff = HandoffRecords(pool)
@@ -110,6 +133,11 @@ class Connector:
         self._released = float("-inf")
         #: this process's counts (the pool keeps its node's: `Pool.counters`)
         self.stats = dict.fromkeys([*COUNTERS, "expired"], 0)
+        # a tier named by URL is this connector's own, its digests seeded
+        # as the pool's checksums are (racks that share a tier share a key)
+        self._own_tier = isinstance(tier, str)
+        self.tier = open_tier(tier, seed=self.transfer.seed) if self._own_tier else tier
+        self.tier_policy = tier_policy
 
     def not_stored(self, blocks: int) -> None:
         """Count ``blocks`` that an engine asked to store and that were not
@@ -165,6 +193,8 @@ class Connector:
         self._release_now_and_then()
         keys = self.keys(tokens_or_hashes)
         blocks = self.index.lookup(keys)
+        if self.tier is not None and blocks < keys.shape[0]:
+            blocks += self._tier_call(lambda: _leading(self.tier.exists(keys[blocks:])))
         self._count(lookups=1)
         return blocks * self.layout.block_size
 
@@ -180,8 +210,43 @@ class Connector:
             loaded = self._load_hits(hits, blocks)
         finally:
             self.index.unpin(hits)
+        if self.tier is not None and loaded < keys.shape[0]:
+            loaded += self._load_from_tier(keys[loaded:], blocks[loaded:keys.shape[0]])
         self._count(miss_blocks=keys.shape[0] - loaded)
         return loaded
+
+    # ----------------------------------------------------- cluster tier
+
+    def _tier_call(self, call):
+        """``call()``, with the tier's own counts of failures and corrupt
+        blocks added to the pool's."""
+        before = self.tier.stats["failures"], self.tier.stats["corrupt"]
+        try:
+            return call()
+        finally:
+            self._count(tier_failures=self.tier.stats["failures"] - before[0],
+                        tier_corrupt=self.tier.stats["corrupt"] - before[1])
+
+    def _load_from_tier(self, keys: np.ndarray, blocks: Sequence) -> int:
+        """The leading run of ``keys`` the tier holds, loaded into
+        ``blocks`` and promoted into the pool; returns its length."""
+        views = self.transfer.host_views(blocks)
+        if views is None:  # on a CUDA device: not yet
+            return 0
+        run = self._tier_call(lambda: _leading(self.tier.get_into(keys, views)))
+        promoted = self._store(keys[:run], blocks[:run], np.zeros(run, np.bool_)) if run else 0
+        self._count(tier_hit_blocks=run, tier_miss_blocks=len(blocks) - run,
+                    tier_read_bytes=run * self.layout.block_bytes, tier_promotions=promoted)
+        return run
+
+    def _store_to_tier(self, keys: np.ndarray, blocks: Sequence) -> None:
+        """Write-through: ``blocks`` to the tier too."""
+        views = self.transfer.host_views(blocks)
+        if views is None:
+            return
+        taken = int(self._tier_call(lambda: self.tier.put_from(keys, views)).sum())
+        self._count(tier_stored_blocks=taken,
+                    tier_written_bytes=taken * self.layout.block_bytes)
 
     def _load_hits(self, hits: Hits, blocks: Sequence) -> int:
         count = len(hits)
@@ -228,6 +293,8 @@ class Connector:
         if keys.shape[0]:
             self.transfer.check(blocks)
             published = self._store(keys, blocks, kept)
+            if self.tier is not None:
+                self._store_to_tier(keys, blocks)
         self._count(not_stored=int(kept.size - kept.sum()))
         return Stored(published, kept)
 
@@ -383,3 +450,11 @@ class Connector:
             self.cancel(request_id)
         self._free_retired(self.pool.clock.wall())
         self.transfer.close()
+        if self._own_tier:
+            self.tier.close()
+
+
+def _leading(found: np.ndarray) -> int:
+    """How many of ``found`` lead with True."""
+    misses = np.flatnonzero(~np.asarray(found, dtype=np.bool_))
+    return int(misses[0]) if misses.size else len(found)

@@ -56,7 +56,7 @@ from tract.stats import COUNTERS, STATS_BYTES, NodeStats, read_stats
 __all__ = ["DEFAULT_LOCKS", "Pool", "format_pool", "unpublish"]
 
 MAGIC = int.from_bytes(b"TRACTPL\x01", "little")
-LAYOUT_VERSION = 4  # 4: one check word for every kind of line (tract.lines)
+LAYOUT_VERSION = 5  # 5: four lines of counters per node (the cluster tier's)
 HEADER_BYTES = 4096
 NAME_BYTES = 32
 INDEX_NODE_WORD = 8  # per node, per index entry: its pin count and access stamp

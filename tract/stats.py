@@ -1,6 +1,6 @@
 """Per-node counters in the pool: what every node did, readable from any host.
 
-Each node owns `STATS_BYTES` (two lines) of the pool's stats area, one u64
+Each node owns `STATS_BYTES` (four lines) of the pool's stats area, one u64
 per counter in `COUNTERS` order.  Only that node's processes write them
 (R2): each counts in its own memory and publishes every heartbeat, adding
 atomically among the node's processes (one host's caches are coherent),
@@ -44,8 +44,16 @@ COUNTERS = {
     "handoff_misses": "takes that found no live offer",
     "not_stored": "blocks a store had no room for (a full pool; the engine recomputes them)",
     "not_offered": "P/D handoffs a full pool had no room for (the decode side recomputes)",
+    "tier_hit_blocks": "blocks loaded from the cluster tier (rack misses it held)",
+    "tier_miss_blocks": "rack misses the cluster tier did not hold either (or held corrupt)",
+    "tier_read_bytes": "bytes loaded from the cluster tier",
+    "tier_written_bytes": "bytes stored to the cluster tier",
+    "tier_stored_blocks": "blocks stored to the cluster tier",
+    "tier_promotions": "cluster-tier hits stored into the rack's pool",
+    "tier_failures": "cluster-tier calls that failed, timed out or were skipped (misses)",
+    "tier_corrupt": "cluster-tier blocks found torn, misfiled or altered (misses)",
 }
-STATS_BYTES = 2 * LINE
+STATS_BYTES = 4 * LINE
 assert len(COUNTERS) * 8 <= STATS_BYTES
 _INDEX = {name: i for i, name in enumerate(COUNTERS)}
 _WORDS = STATS_BYTES // 8

@@ -57,11 +57,13 @@ import numpy as np
 from tract._native._region import xxh64_rows
 from tract.errors import ConfigError
 
-__all__ = ["HEADER_BYTES", "MooncakeTier", "Tier", "TierStats", "open_tier"]
+__all__ = ["HEADER_BYTES", "POLICIES", "MooncakeTier", "Tier", "TierStats", "open_tier"]
 
 log = logging.getLogger(__name__)
 
 HEADER_BYTES = 64
+#: how a connector's stores reach its tier (`tract.connector`)
+POLICIES = ("write_through",)
 MAGIC = int.from_bytes(b"TRACTBLK", "little")
 VERSION = 1
 _CHECK_SEED = 0x7472_6163_742D_7469  # the header's check word: XXH64 of words 0..6

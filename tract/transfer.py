@@ -178,6 +178,18 @@ class TransferEngine:
                                  f"blocks have {want}")
         return np.array(where, dtype=np.int64), views
 
+    def host_views(self, blocks: Sequence) -> list[list] | None:
+        """Each block's flat byte views in host memory, in order, checked
+        against the layout; None for blocks on a CUDA device."""
+        if len(blocks) and self._on_cuda(blocks[0]):
+            return None
+        size = self.layout.block_bytes
+        where, views = self._segments(np.arange(len(blocks), dtype=np.int64) * size, blocks)
+        grouped: list[list] = [[] for _ in blocks]
+        for offset, view in zip((where // size).tolist(), views):
+            grouped[offset].append(view)
+        return grouped
+
     def check(self, blocks: Sequence) -> None:
         """Refuse ``blocks`` that do not fit the layout (size, segments,
         element type), as a copy would: for blocks nothing is copied into."""

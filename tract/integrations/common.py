@@ -26,6 +26,8 @@ class Options:
     checksum: bool = True  # verify every block loaded
     salt: str | None = None  # a tenant's salt: only the same salt shares blocks
     timeout: float = 30.0  # seconds a pool lock may be waited for
+    tier: str | None = None  # the cluster tier below the rack (mooncake://MASTER:PORT?...)
+    tier_policy: str = "write_through"  # how stores reach the tier (`tract.tier.POLICIES`)
 
 
 def flag(value, name: str, where: str) -> bool:
@@ -69,11 +71,21 @@ def options(config: Mapping, where: str, prefix: str = "") -> Options:
                           f"{ours['timeout']!r}") from None
     if not timeout > 0:
         raise ConfigError(f"{where}: {prefix}timeout must be positive, got {timeout}")
-    salt = ours.get("salt")
+    salt, tier = ours.get("salt"), ours.get("tier")
+    if tier is not None and not (isinstance(tier, str) and tier.startswith("mooncake://")):
+        raise ConfigError(f"{where}: {prefix}tier must be a tier URL (mooncake://MASTER:PORT"
+                          f"?metadata=...), got {tier!r}")
+    from tract.tier import POLICIES
+
+    policy = ours.get("tier_policy", POLICIES[0])
+    if policy not in POLICIES:
+        raise ConfigError(f"{where}: {prefix}tier_policy must be one of {POLICIES}, got "
+                          f"{policy!r}")
     return Options(pool=str(ours["pool"]), node=node,
                    manager=flag(ours.get("manager", False), prefix + "manager", where),
                    checksum=flag(ours.get("checksum", True), prefix + "checksum", where),
-                   salt=None if salt is None else str(salt), timeout=timeout)
+                   salt=None if salt is None else str(salt), timeout=timeout, tier=tier,
+                   tier_policy=policy)
 
 
 _pools: dict[tuple[str, int], list] = {}  # (path, node) -> [pool, users]
@@ -113,7 +125,7 @@ def open_connector(opts: Options, layout):
     pool = open_pool(opts.pool, opts.node, opts.manager)
     try:
         return Connector(pool, layout, checksum=opts.checksum, salt=opts.salt,
-                         timeout=opts.timeout)
+                         timeout=opts.timeout, tier=opts.tier, tier_policy=opts.tier_policy)
     except BaseException:
         close_pool(opts.pool, opts.node)
         raise
