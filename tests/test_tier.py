@@ -18,41 +18,9 @@ mooncake_store = pytest.importorskip(
     "mooncake.store", reason="the mooncake tier needs mooncake-transfer-engine-non-cuda "
     "(Debian libibverbs1)")
 
-from tract.bench.peers import free_port, master_command, start_server  # noqa: E402
+from tract.bench.peers import MooncakeCluster as Store, free_port  # noqa: E402
 
-SEGMENT = 64 << 20
 MARGIN = 5  # timing bounds: five times what the code promises
-
-
-class Store:
-    """A Mooncake Store of one master and one segment holder on 127.0.0.1."""
-
-    def __init__(self):
-        self.master, self.metadata, self.holder = free_port(), free_port(), free_port()
-        self.stack = contextlib.ExitStack()
-
-    def start_master(self):
-        self.master_process = self.stack.enter_context(start_server(
-            master_command(self.master, self.metadata), [self.master, self.metadata],
-            "mooncake_master"))
-
-    def start(self):
-        self.start_master()
-        self.stack.enter_context(start_server(
-            ["mooncake_client", "--host=127.0.0.1", f"--port={self.holder}",
-             f"--master_server_address=127.0.0.1:{self.master}",
-             f"--metadata_server=http://127.0.0.1:{self.metadata}/metadata",
-             f"--global_segment_size={SEGMENT}", "--protocol=tcp"],
-            [self.holder], "mooncake_client"))
-        return self
-
-    def url(self, **query) -> str:
-        extra = "".join(f"&{key}={value}" for key, value in query.items())
-        return f"mooncake://127.0.0.1:{self.master}?metadata=http://127.0.0.1:" \
-               f"{self.metadata}/metadata{extra}"
-
-    def stop(self):
-        self.stack.close()
 
 
 @pytest.fixture(scope="module")
@@ -367,3 +335,17 @@ def test_every_adapter_takes_the_tier_options_by_name():
     with pytest.raises(ConfigError, match="tract.tier must be a tier URL"):
         options({"tract.pool": "p", "tract.node": 0, "tract.tier": "redis://x"}, "config",
                 "tract.")
+
+
+def test_bench_tier_reports_each_figure_against_its_baseline(store):
+    from tract.bench import tier as bench
+
+    results = {result.name: result for result in bench.measure("256KiB", 8, 1, store)}
+    assert set(results) == {"tier[tier_hit,256KiB] vs recompute",
+                            "tier[tier_hit,256KiB] vs rack_hit",
+                            "tier[promotion,256KiB] vs tier_hit", "tier[rack_hit,256KiB]",
+                            "tier[recompute,256KiB]"}
+    hit = results["tier[tier_hit,256KiB] vs recompute"]
+    assert hit.value > 0 and hit.baseline_value == results["tier[recompute,256KiB]"].value
+    assert results["tier[tier_hit,256KiB] vs rack_hit"].baseline_value == \
+        results["tier[rack_hit,256KiB]"].value

@@ -53,7 +53,7 @@ from tract.bench.peers import SEGMENT_MAX, Unavailable, free_port, master_comman
 from tract.errors import ConfigError
 from tract.transfer import KVLayout
 
-__all__ = ["DemoConfig", "main", "run"]
+__all__ = ["DemoConfig", "main", "make_model", "run"]
 
 MANAGER_NODE = 0
 BLOCK = 16  # tokens per KV block
@@ -106,7 +106,7 @@ def _whole(tokens: int) -> int:
 
 # ------------------------------------------------------------------ model
 
-def _model(config: DemoConfig):
+def make_model(config: DemoConfig):
     """The demo's Llama: a small config, weights from a seeded generator,
     eager attention, float32, one thread (the same bits in every process)."""
     import torch
@@ -190,7 +190,7 @@ def reference(config: DemoConfig, prompts: list[np.ndarray]) -> list[list[int]]:
     """The tokens of a single-process run of the same model, per prompt."""
     import torch
 
-    model = _model(config)
+    model = make_model(config)
     out = []
     for prompt in prompts:
         first = model(torch.from_numpy(prompt[None].astype(np.int64)), use_cache=True)
@@ -271,7 +271,7 @@ def prefill_worker(path: str, node: int, config: DemoConfig, requests, handoff, 
     from tract.connector import Connector
     from tract.pool import Pool
 
-    model, buffer = _model(config), KVBuffer(config)
+    model, buffer = make_model(config), KVBuffer(config)
     with Pool.open(path, node, populate=True) as pool:
         connectors = {name: Connector(pool, config.layout(), salt=name, handoff_ttl=60.0)
                       for name in ("tract", "tract_no_prefix_cache")}
@@ -339,7 +339,7 @@ def decode_worker(path: str, node: int, config: DemoConfig, inbox, handoffs, res
     from tract.connector import Connector
     from tract.pool import Pool
 
-    model, buffer = _model(config), KVBuffer(config)
+    model, buffer = make_model(config), KVBuffer(config)
     with Pool.open(path, node, populate=True) as pool, contextlib.ExitStack() as stack:
         connectors = {name: Connector(pool, config.layout(), salt=name)
                       for name in ("tract", "tract_no_prefix_cache")}

@@ -31,6 +31,7 @@ BENCHMARKS = {
     "lock": "tract.bench.lock",
     "region": "tract.bench.region",
     "scale": "tract.testing.bench_scale",  # counts on the simulator
+    "tier": "tract.bench.tier",
     "trace": "tract.bench.trace",
     "transfer": "tract.bench.transfer",
 }

@@ -22,7 +22,8 @@ import time
 
 import numpy as np
 
-__all__ = ["PEERS", "Peer", "Unavailable", "handoff_sampler", "master_command"]
+__all__ = ["PEERS", "MooncakeCluster", "Peer", "Unavailable", "handoff_sampler",
+           "master_command"]
 
 
 class Unavailable(Exception):
@@ -156,6 +157,54 @@ def master_command(master: int, metadata: int) -> list[str]:
             "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
             f"--http_metadata_server_port={metadata}", "--metrics_host=127.0.0.1",
             f"--metrics_port={free_port()}"]
+
+
+class MooncakeCluster:
+    """A Mooncake Store on 127.0.0.1: its master (RPC and HTTP metadata
+    servers) and one segment holder (``mooncake_client``) giving it
+    ``segment`` bytes; `start` them, `stop` them (the master alone can be
+    killed and started again on the same ports: `master_process`,
+    `start_master`).  `url` names it as a `tract.tier` URL."""
+
+    def __init__(self, segment: int = 64 << 20):
+        self.master, self.metadata, self.holder = free_port(), free_port(), free_port()
+        self.segment = segment
+        self.master_process: subprocess.Popen | None = None
+        self.stack = contextlib.ExitStack()
+
+    def start_master(self) -> None:
+        self.master_process = self.stack.enter_context(start_server(
+            master_command(self.master, self.metadata), [self.master, self.metadata],
+            "mooncake_master"))
+
+    def start(self) -> MooncakeCluster:
+        try:
+            self.start_master()
+            self.stack.enter_context(start_server(
+                ["mooncake_client", "--host=127.0.0.1", f"--port={self.holder}",
+                 f"--master_server_address=127.0.0.1:{self.master}",
+                 f"--metadata_server=http://127.0.0.1:{self.metadata}/metadata",
+                 f"--global_segment_size={self.segment}", "--protocol=tcp"],
+                [self.holder], "mooncake_client"))
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def url(self, **query) -> str:
+        """The tier URL of this store, with ``query`` options."""
+        extra = "".join(f"&{key}={value}" for key, value in query.items())
+        return f"mooncake://127.0.0.1:{self.master}?metadata=http://127.0.0.1:" \
+               f"{self.metadata}/metadata{extra}"
+
+    def stop(self) -> None:
+        self.stack.close()
+
+    def __enter__(self) -> MooncakeCluster:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
 
 
 def mooncake_store(master: int, metadata: int, segment: int):
