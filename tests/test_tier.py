@@ -330,7 +330,7 @@ def test_every_adapter_takes_the_tier_options_by_name():
     assert opts.tier_policy == "write_through"
     assert options({"pool": "p", "node": 0}, "config").tier is None
     with pytest.raises(ConfigError, match="tract.tier_policy must be one of"):
-        options({"tract.pool": "p", "tract.node": 0, "tract.tier_policy": "write_back"},
+        options({"tract.pool": "p", "tract.node": 0, "tract.tier_policy": "write_around"},
                 "config", "tract.")
     with pytest.raises(ConfigError, match="tract.tier must be a tier URL"):
         options({"tract.pool": "p", "tract.node": 0, "tract.tier": "redis://x"}, "config",
@@ -349,3 +349,61 @@ def test_bench_tier_reports_each_figure_against_its_baseline(store):
     assert hit.value > 0 and hit.baseline_value == results["tier[recompute,256KiB]"].value
     assert results["tier[tier_hit,256KiB] vs rack_hit"].baseline_value == \
         results["tier[rack_hit,256KiB]"].value
+
+
+def test_write_back_demotes_what_the_rack_evicts_and_a_later_load_hits(store):
+    from tract.connector import Connector
+    from tract.fsck import fsck
+
+    with _racks(capacity=32) as (paths, (rack_a, rack_b)):
+        writer = Connector(rack_a, _layout(), tier=store.url(), tier_policy="write_back")
+        reader = Connector(rack_b, _layout(), tier=store.url())
+        try:
+            batches = [(writer.keys(_tokens(20 + i, 8)), _kv(20 + i, 8)) for i in range(8)]
+            for keys, kv in batches:
+                writer.store(keys, kv)
+            keys = np.concatenate([keys for keys, _ in batches])
+            kv = [block for _, blocks in batches for block in blocks]
+            gone = np.flatnonzero(~np.asarray(rack_a.index.present(keys)))
+            assert gone.size and writer.stats["tier_demotions"] == gone.size
+            assert writer.tier.exists(keys[gone]).all()  # every evicted block demoted
+            assert writer.stats["tier_stored_blocks"] == gone.size  # and nothing else
+            for i in gone[:4].tolist():  # a later load hits: here, and in another rack
+                out = _empty(1)
+                assert reader.load(keys[i:i + 1], out) == 1 and np.array_equal(out[0], kv[i])
+        finally:
+            writer.close()
+            reader.close()
+        assert not rack_a.index.demoters  # closed: no demotions from a closed connector
+        for path in paths:
+            assert fsck(path, watch=False)["ok"]
+
+
+def test_a_demotion_that_fails_leaves_every_free_correct():
+    from tract.connector import Connector
+    from tract.fsck import fsck
+
+    dead = Store().start()
+    try:
+        with _racks(capacity=32) as (paths, (rack, _)):
+            writer = Connector(rack, _layout(), tier=dead.url(timeout=1.0, retry=60),
+                               tier_policy="write_back")
+            try:
+                dead.master_process.kill()
+                dead.master_process.wait()
+                for i in range(8):
+                    writer.store(_tokens(40 + i, 8), _kv(40 + i, 8))
+                assert rack.counters()[0]["evictions"] > 0
+                assert writer.stats["tier_demotions"] == 0 and writer.stats["tier_failures"] > 0
+                # the rack serves on: every block it kept loads byte-exact
+                keys = writer.keys(_tokens(47, 8))
+                out = _empty(8)
+                assert writer.load(keys, out) == 8
+                assert all(np.array_equal(a, b) for a, b in zip(out, _kv(47, 8)))
+            finally:
+                writer.close()
+            for path in paths:  # no chunk leaked, none freed twice
+                report = fsck(path, watch=False)
+                assert report["ok"], report["problems"]
+    finally:
+        dead.stop()

@@ -36,15 +36,26 @@ Cluster tier
     counts the rack's leading hits, then the tier's longest further run;
     `load` fills the rack's hits from the pool and the next run from the
     tier, and *promotes* what the tier gave: stores it into the pool, so
-    every node of the rack hits it next time.  `store` writes through: the
-    blocks go to the pool and to the tier (``tier_policy="write_through"``,
-    the only policy yet).  Write-through costs the tier a copy of every
-    stored block, but a rack that loses its pool, or evicts under
-    pressure, loses nothing the cluster had, and no eviction (which runs
-    inside another engine's store) waits on the network.  The tier's
-    failures are misses (it never raises for them and bounds every call),
-    and its checksums travel with its blocks.  Blocks on a CUDA device do
-    not go to the tier yet: for them it is as if there were none.
+    every node of the rack hits it next time.  Stores reach the tier by
+    ``tier_policy``:
+
+    - ``write_through`` (the default): `store` puts the blocks into the
+      pool and into the tier.  The tier gets a copy of every stored block,
+      so a rack that loses its pool, or evicts under pressure, loses
+      nothing the cluster had, and no eviction (which runs inside some
+      engine's store) waits on the network.
+    - ``write_back``: `store` puts them into the pool only; when this
+      process evicts for room, the evicted blocks of this layout are
+      *demoted*: read fresh from the pool, checked against their
+      checksums, and put into the tier before their memory is freed
+      (`tract.index`'s demoters).  The network sees only what the rack
+      lets go, but that eviction waits on the tier (at most its timeout),
+      and a rack that loses its pool loses what it had not yet evicted.
+
+    The tier's failures are misses (it never raises for them and bounds
+    every call), and its checksums travel with its blocks.  Blocks on a
+    CUDA device do not go to the tier yet: for them it is as if there were
+    none.
 
 Rules relied on: those of `tract.index` (pins, R3/R4 ordering of payloads
 and entries), `tract.transfer` (payloads in memory before publish;
@@ -138,6 +149,8 @@ class Connector:
         self._own_tier = isinstance(tier, str)
         self.tier = open_tier(tier, seed=self.transfer.seed) if self._own_tier else tier
         self.tier_policy = tier_policy
+        if self.tier is not None and tier_policy == "write_back":
+            self.index.demoters.append(self._demote)
 
     def not_stored(self, blocks: int) -> None:
         """Count ``blocks`` that an engine asked to store and that were not
@@ -239,6 +252,27 @@ class Connector:
                     tier_read_bytes=run * self.layout.block_bytes, tier_promotions=promoted)
         return run
 
+    def _demote(self, entries: np.ndarray) -> np.ndarray:
+        """Write-back: of evicted ``entries`` (`Index.demoters`), those of
+        this layout's size, read fresh into host memory, checked against
+        their checksums, put into the tier; returns which were taken (a
+        block that fails its checksum is this layout's, or no layout's,
+        and is taken too: dropped)."""
+        size = self.layout.block_bytes
+        mine = entries[:, 5] == np.uint64(size)
+        rows = np.flatnonzero(mine)
+        if rows.size:
+            host = [np.empty(size, np.uint8) for _ in rows]
+            good = self.transfer.load(entries[rows, 4].astype(np.int64), host,
+                                      entries[rows, 6] >> np.uint64(32))
+            keys = np.ascontiguousarray(entries[rows[good], :2])
+            kept = [block for block, ok in zip(host, good) if ok]
+            taken = int(self._tier_call(lambda: self.tier.put_from(keys, kept)).sum()) \
+                if kept else 0
+            self._count(tier_demotions=taken, tier_stored_blocks=taken,
+                        tier_written_bytes=taken * size, checksum_failures=int((~good).sum()))
+        return mine
+
     def _store_to_tier(self, keys: np.ndarray, blocks: Sequence) -> None:
         """Write-through: ``blocks`` to the tier too."""
         views = self.transfer.host_views(blocks)
@@ -293,7 +327,7 @@ class Connector:
         if keys.shape[0]:
             self.transfer.check(blocks)
             published = self._store(keys, blocks, kept)
-            if self.tier is not None:
+            if self.tier is not None and self.tier_policy == "write_through":
                 self._store_to_tier(keys, blocks)
         self._count(not_stored=int(kept.size - kept.sum()))
         return Stored(published, kept)
@@ -450,6 +484,8 @@ class Connector:
             self.cancel(request_id)
         self._free_retired(self.pool.clock.wall())
         self.transfer.close()
+        if self._demote in self.index.demoters:
+            self.index.demoters.remove(self._demote)
         if self._own_tier:
             self.tier.close()
 

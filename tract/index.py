@@ -42,6 +42,13 @@ Protocols (every step batched: one fence per batch of lines):
   before the other side's write lands).  Pins of a node whose lease lapsed
   are ignored (R6); a node's new incarnation starts with its pins cleared
   (`forget_node`).
+- **Demotion** (a cluster tier's write-back): after an eviction for room
+  (not a `remove`) releases the lock, and before it frees the payloads,
+  each of `demoters` is handed the entries it took (as they were before
+  they became tombstones).  A payload stays allocated until that free, so
+  a demoter reads it fresh (R4) and whole; if its owner died meanwhile, the
+  bytes may be another allocation's, which the block's checksum catches.
+  A demoter that fails does not stop the frees.
 
 Rules relied on (DESIGN.md): R2 — entries are written only under the lock,
 pin words only by their node; R3, R4 as above; R5 — entries carry a check
@@ -52,6 +59,7 @@ range-checked; R6 — the lock's fencing epoch, writers' and pins' leases.
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import numpy as np
 
@@ -65,6 +73,8 @@ from tract._native._region import INSTRUCTIONS, Region
 from tract import _failpoints as faults
 
 __all__ = ["Hit", "Hits", "Index", "Reservation", "Reservations", "STAMP_HZ"]
+
+log = logging.getLogger(__name__)
 
 ENTRY_BYTES = 64
 STAMP_HZ = 4  # access stamps: quarter seconds of wall time since 2020
@@ -205,6 +215,10 @@ class Index:
         self._sample = np.random.default_rng([int.from_bytes(header.hash_key[:8], "little"),
                                               pool.node or 0])
         self._live: tuple[float, np.ndarray] | None = None
+        #: callables given the (n, 8) entries an eviction for room took, before
+        #: their payloads are freed; each returns which it took (a bool array),
+        #: and the next is given the rest (see Demotion above)
+        self.demoters: list = []
         # on a real mapping, the batch steps run as one kernel call each
         # (`tract._kernels.indexfast`); on the simulator, as Python steps
         self._fast = fast and isinstance(self.region, Region)
@@ -706,7 +720,7 @@ class Index:
             # position: holes spread over the runs, not whole runs emptied
             ties = self._sample.random(candidates.size)
             return candidates[np.lexsort((ties, stamps))[:count]]
-        return len(self._evict(runs, stalest, timeout))
+        return len(self._evict(runs, stalest, timeout, demote=True))
 
     def remove(self, keys, timeout: float | None = None) -> np.ndarray:
         """Evict the READY entries of ``keys`` that no live node pins (an
@@ -722,10 +736,10 @@ class Index:
         removed[hit] = [slot in gone for slot in found[hit].tolist()]
         return removed
 
-    def _evict_named(self, slots: np.ndarray, keys: np.ndarray,
-                     timeout: float | None) -> list[int]:
+    def _evict_named(self, slots: np.ndarray, keys: np.ndarray, timeout: float | None,
+                     demote: bool = False) -> list[int]:
         """Evict the entries at ``slots`` that still hold ``keys`` and that
-        no live node pins; returns the slots evicted."""
+        no live node pins (for room: ``demote``); returns the slots evicted."""
         run = min(EVICT_RUN, self.capacity)
         wanted = {int(slot): (int(key[0]), int(key[1])) for slot, key in zip(slots.tolist(), keys)}
 
@@ -734,7 +748,7 @@ class Index:
                              if wanted.get(int(slots[i])) == (int(entries[i, 0]),
                                                               int(entries[i, 1]))],
                             dtype=np.int64)
-        return self._evict(np.unique(slots // run), named, timeout)
+        return self._evict(np.unique(slots // run), named, timeout, demote)
 
     def _make_run(self, count: int, timeout: float | None) -> int:
         """Evict the entries whose payloads fill a run of ``count`` chunks,
@@ -778,7 +792,8 @@ class Index:
             planned = set(zip(firsts[chosen].tolist(), spans[chosen].tolist()))
             extents = allocator.extents_in(best, count)
             if extents is not None and set(extents) <= planned:
-                return len(self._evict_named(slots[chosen], entries[chosen, :2], timeout))
+                return len(self._evict_named(slots[chosen], entries[chosen, :2], timeout,
+                                             demote=True))
             cost[best:best + count] = blocked
         return 0
 
@@ -799,14 +814,17 @@ class Index:
             found.append(entries[keep].copy())
         return np.concatenate(found_slots), np.concatenate(found)
 
-    def _evict(self, runs: np.ndarray, choose, timeout: float | None) -> list[int]:
+    def _evict(self, runs: np.ndarray, choose, timeout: float | None,
+               demote: bool = False) -> list[int]:
         """Evict, among the runs of `EVICT_RUN` slots numbered ``runs``,
         the unpinned READY entries ``choose(slots, entries, candidates,
-        stamps)`` picks (indices into the window, from ``candidates``);
-        returns the slots evicted."""
+        stamps)`` picks (indices into the window, from ``candidates``),
+        handing them to the `demoters` when ``demote``; returns the slots
+        evicted."""
         run = min(EVICT_RUN, self.capacity)
         slots = (runs[:, None] * run + np.arange(run)).ravel()
         freed, owners, evicted_slots = [], [], []
+        victims = np.zeros((0, 8), np.uint64)
         with self.pool.lock("index")(timeout) as lock:
             entries = self._read(self._entries(slots)).copy()
             low, high = self.heap
@@ -841,6 +859,7 @@ class Index:
                 owners = self.pool.allocator.payload_owners(freed)
                 evicted_slots = slots[chosen[evicted]].tolist()
                 gone, kept = marked[evicted], marked[~evicted]
+                victims = gone.copy()  # keys and payloads, before they become tombstones
                 self._tombstone(gone)
                 self._set_state(kept, READY)
                 marked[evicted], marked[~evicted] = gone, kept
@@ -849,11 +868,30 @@ class Index:
                 lock.check()
                 self._write(slots[chosen], entries[chosen])
             self._lower_reaches(slots, entries, run, lock)
-        for offset, owner in zip(freed, owners):  # the tombstones are in memory (released)
-            self.pool.allocator.free_of(offset, owner)
+        try:
+            if demote and victims.shape[0]:
+                self._demote(victims)
+        finally:
+            for offset, owner in zip(freed, owners):  # the tombstones are in memory (released)
+                self.pool.allocator.free_of(offset, owner)
         if freed:
             self.pool.stats.add(evictions=len(freed))
         return evicted_slots
+
+    def _demote(self, entries: np.ndarray) -> None:
+        """Hand evicted ``entries`` to each demoter in turn, the ones the
+        earlier demoters did not take; a demoter that raises is logged and
+        skipped."""
+        left = entries
+        for demoter in list(self.demoters):
+            if not left.shape[0]:
+                return
+            try:
+                taken = np.asarray(demoter(left), dtype=np.bool_)
+            except Exception:  # noqa: BLE001 - a demotion is best effort: the frees go on
+                log.exception("a demotion of %d evicted blocks failed", left.shape[0])
+                continue
+            left = left[~taken]
 
     def _lower_reaches(self, slots: np.ndarray, entries: np.ndarray, run: int, lock) -> None:
         """Lower the reach of each slot of the windows of ``run`` slots

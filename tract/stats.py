@@ -52,6 +52,7 @@ COUNTERS = {
     "tier_promotions": "cluster-tier hits stored into the rack's pool",
     "tier_failures": "cluster-tier calls that failed, timed out or were skipped (misses)",
     "tier_corrupt": "cluster-tier blocks found torn, misfiled or altered (misses)",
+    "tier_demotions": "blocks the rack evicted and put into the cluster tier (write-back)",
 }
 STATS_BYTES = 4 * LINE
 assert len(COUNTERS) * 8 <= STATS_BYTES

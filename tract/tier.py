@@ -62,8 +62,8 @@ __all__ = ["HEADER_BYTES", "POLICIES", "MooncakeTier", "Tier", "TierStats", "ope
 log = logging.getLogger(__name__)
 
 HEADER_BYTES = 64
-#: how a connector's stores reach its tier (`tract.connector`)
-POLICIES = ("write_through",)
+#: how a connector's stores reach its tier (`tract.connector`); the first is the default
+POLICIES = ("write_through", "write_back")
 MAGIC = int.from_bytes(b"TRACTBLK", "little")
 VERSION = 1
 _CHECK_SEED = 0x7472_6163_742D_7469  # the header's check word: XXH64 of words 0..6
