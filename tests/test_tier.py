@@ -407,3 +407,31 @@ def test_a_demotion_that_fails_leaves_every_free_correct():
                 assert report["ok"], report["problems"]
     finally:
         dead.stop()
+
+
+def test_blocks_on_a_device_go_through_host_copies(store, monkeypatch):
+    """As for CUDA tensors (no device here: CPU tensors, the host views
+    refused as for a device's)."""
+    import torch
+
+    from tract.connector import Connector
+    from tract.transfer import TransferEngine
+
+    monkeypatch.setattr(TransferEngine, "host_views", lambda self, blocks: None)
+    tokens, kv = _tokens(50, 3), _kv(50, 3)
+    half = _layout().block_bytes // 2
+    with _racks() as (_, (rack_a, rack_b)):
+        writer = Connector(rack_a, _layout(), tier=store.url())
+        reader = Connector(rack_b, _layout(), tier=store.url())
+        try:
+            blocks = [[torch.from_numpy(block[:half].copy()), torch.from_numpy(block[half:].copy())]
+                      for block in kv]
+            assert writer.store(tokens, blocks) == 3
+            assert writer.stats["tier_stored_blocks"] == 3
+            out = [[torch.zeros(half, dtype=torch.uint8) for _ in range(2)] for _ in range(3)]
+            assert reader.load(tokens, out) == 3 and reader.stats["tier_hit_blocks"] == 3
+            for segments, block in zip(out, kv):
+                assert np.array_equal(torch.cat(segments).numpy(), block)
+        finally:
+            writer.close()
+            reader.close()

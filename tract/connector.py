@@ -54,8 +54,7 @@ Cluster tier
 
     The tier's failures are misses (it never raises for them and bounds
     every call), and its checksums travel with its blocks.  Blocks on a
-    CUDA device do not go to the tier yet: for them it is as if there were
-    none.
+    CUDA device go to and from the tier through host copies.
 
 Rules relied on: those of `tract.index` (pins, R3/R4 ordering of payloads
 and entries), `tract.transfer` (payloads in memory before publish;
@@ -242,11 +241,21 @@ class Connector:
 
     def _load_from_tier(self, keys: np.ndarray, blocks: Sequence) -> int:
         """The leading run of ``keys`` the tier holds, loaded into
-        ``blocks`` and promoted into the pool; returns its length."""
+        ``blocks`` and promoted into the pool; returns its length.  Blocks
+        on a device are got into host memory, then copied to it."""
         views = self.transfer.host_views(blocks)
-        if views is None:  # on a CUDA device: not yet
-            return 0
+        device = None
+        if views is None:
+            device = [self.transfer.device_segments(block) for block in blocks]
+            views = [[np.empty(int(flat.numel()), np.uint8) for flat in segments]
+                     for segments in device]
         run = self._tier_call(lambda: _leading(self.tier.get_into(keys, views)))
+        if device is not None and run:
+            import torch
+
+            for segments, host in zip(device[:run], views[:run]):
+                for flat, part in zip(segments, host):
+                    flat.copy_(torch.from_numpy(part))
         promoted = self._store(keys[:run], blocks[:run], np.zeros(run, np.bool_)) if run else 0
         self._count(tier_hit_blocks=run, tier_miss_blocks=len(blocks) - run,
                     tier_read_bytes=run * self.layout.block_bytes, tier_promotions=promoted)
@@ -274,10 +283,12 @@ class Connector:
         return mine
 
     def _store_to_tier(self, keys: np.ndarray, blocks: Sequence) -> None:
-        """Write-through: ``blocks`` to the tier too."""
+        """Write-through: ``blocks`` to the tier too (from a device, through
+        host copies)."""
         views = self.transfer.host_views(blocks)
         if views is None:
-            return
+            views = [[flat.cpu().numpy() for flat in self.transfer.device_segments(block)]
+                     for block in blocks]
         taken = int(self._tier_call(lambda: self.tier.put_from(keys, views)).sum())
         self._count(tier_stored_blocks=taken,
                     tier_written_bytes=taken * self.layout.block_bytes)

@@ -190,6 +190,24 @@ class TransferEngine:
             grouped[offset].append(view)
         return grouped
 
+    def device_segments(self, block) -> list:
+        """A block on a device (one tensor, or its segments in order) as
+        flat uint8 views of its segments, checked contiguous and against
+        the layout's size."""
+        import torch  # a device block is a tensor: torch is loaded
+
+        segments = block if isinstance(block, (list, tuple)) else [block]
+        flat = []
+        for segment in segments:
+            if not segment.is_contiguous():
+                raise ValueError("block tensors must be contiguous")
+            flat.append(segment.reshape(-1).view(torch.uint8))
+        total = sum(int(view.numel()) for view in flat)
+        if total != self.layout.block_bytes:
+            raise ValueError(f"a block of {total} bytes; layout {self.layout.model!r} blocks "
+                             f"have {self.layout.block_bytes}")
+        return flat
+
     def check(self, blocks: Sequence) -> None:
         """Refuse ``blocks`` that do not fit the layout (size, segments,
         element type), as a copy would: for blocks nothing is copied into."""
