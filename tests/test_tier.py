@@ -142,7 +142,11 @@ def test_a_tier_that_cannot_be_reached_at_start_is_set_up_in_the_background():
     tier = open_tier(store.url(timeout=1.0, retry=0.3))
     try:
         keys = _keys(np.random.default_rng(5), 1)
-        assert not tier.exists(keys).any() and tier.down is not None
+        assert not tier.exists(keys).any()  # a miss, at once
+        deadline = time.monotonic() + 1.0 * MARGIN
+        while tier.down is None:  # its setup failed (on the worker: it may still be trying)
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
         store.start()
         deadline = time.monotonic() + 30 * MARGIN
         while not tier.put_from(keys, [np.ones(64, np.uint8)]).all():

@@ -339,6 +339,9 @@ class Connector:
             self.transfer.check(blocks)
             published = self._store(keys, blocks, kept)
             if self.tier is not None and self.tier_policy == "write_through":
+                # all of them, those the rack held already too: they may have
+                # been stored while the tier was down (a key the tier holds
+                # costs it no transfer)
                 self._store_to_tier(keys, blocks)
         self._count(not_stored=int(kept.size - kept.sum()))
         return Stored(published, kept)
