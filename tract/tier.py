@@ -81,6 +81,17 @@ def _keys(keys) -> np.ndarray:
     return array
 
 
+def _batch(keys, blocks, writable: bool = False):
+    """(keys, each block's pieces, each block's piece sizes) of a batch,
+    checked: a key for every block, and pieces a get can write."""
+    keys, blocks = _keys(keys), [_pieces(block) for block in blocks]
+    if len(blocks) != keys.shape[0]:
+        raise ValueError(f"{keys.shape[0]} keys for {len(blocks)} blocks")
+    if writable and any(piece.readonly for block in blocks for piece in block):
+        raise ValueError("a get's targets must be writable buffers")
+    return keys, blocks, [[piece.nbytes for piece in block] for block in blocks]
+
+
 def _pieces(block) -> list[memoryview]:
     """A block as its pieces: one buffer, or a sequence of buffers, each
     C-contiguous bytes."""
@@ -286,11 +297,15 @@ class MooncakeTier(Tier):
         self._quiet_until = 0.0  # no call before this (monotonic) after a failure
         self._down_reason: str | None = None
         self._closed = False
-        self._connect()
+        # the first setup is awaited (bounded), and reported here: a callback
+        # may run after `result` has returned to this thread
+        self._busy = self._worker.submit(self._setup)
         try:
-            self._busy.result(self.timeout)  # the first setup is awaited (bounded)
-        except Exception:  # noqa: BLE001 - reported by _after_setup; later calls retry
-            pass
+            self._busy.result(self.timeout)
+        except concurrent.futures.TimeoutError:
+            self._busy.add_done_callback(self._after_setup)  # reported when it ends
+        except Exception as error:  # noqa: BLE001 - a miss until set up again
+            self._down(f"setup failed: {type(error).__name__}: {error}")
 
     # ------------------------------------------------------ the worker
 
@@ -406,11 +421,8 @@ class MooncakeTier(Tier):
         return found
 
     def put_from(self, keys, blocks: Sequence) -> np.ndarray:
-        keys, blocks = _keys(keys), [_pieces(block) for block in blocks]
-        if len(blocks) != keys.shape[0]:
-            raise ValueError(f"{keys.shape[0]} keys for {len(blocks)} blocks")
+        keys, blocks, sizes = _batch(keys, blocks)
         taken = np.zeros(keys.shape[0], np.bool_)
-        sizes = [[piece.nbytes for piece in block] for block in blocks]
         with self._lock:
             for run in _Staging.batches(self._staging.size, sizes):
                 layout = _Staging(self._staging.size, [sizes[i] for i in run])
@@ -437,15 +449,8 @@ class MooncakeTier(Tier):
         return taken
 
     def get_into(self, keys, blocks: Sequence) -> np.ndarray:
-        keys, blocks = _keys(keys), [_pieces(block) for block in blocks]
-        if len(blocks) != keys.shape[0]:
-            raise ValueError(f"{keys.shape[0]} keys for {len(blocks)} blocks")
+        keys, blocks, sizes = _batch(keys, blocks, writable=True)
         got = np.zeros(keys.shape[0], np.bool_)
-        for block in blocks:
-            for piece in block:
-                if piece.readonly:
-                    raise ValueError("a get's targets must be writable buffers")
-        sizes = [[piece.nbytes for piece in block] for block in blocks]
         corrupt = []
         with self._lock:
             for run in _Staging.batches(self._staging.size, sizes):
