@@ -68,8 +68,10 @@ def test_batches_larger_than_the_staging_go_in_several_calls(store):
         targets = [np.zeros(20_000, np.uint8) for _ in range(9)]
         assert tier.get_into(keys, targets).all()
         assert all(np.array_equal(t, b[0]) for t, b in zip(targets, blocks))
+        refused = _keys(rng, 2)  # a block that fits, then one that does not: neither is put
         with pytest.raises(ValueError, match="does not fit the tier's 65536-byte staging"):
-            tier.put_from(_keys(rng, 1), [np.zeros(70_000, np.uint8)])
+            tier.put_from(refused, [np.zeros(20_000, np.uint8), np.zeros(70_000, np.uint8)])
+        assert not tier.exists(refused).any()
         tier.remove(keys)
 
 

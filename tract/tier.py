@@ -136,8 +136,6 @@ class Tier:
     C-contiguous bytes; a get fills the pieces of each target in order.
     """
 
-    name = "tier"
-
     def __init__(self):
         self.stats = TierStats()
 
@@ -169,33 +167,38 @@ class Tier:
         self.close()
 
 
+def _staged_bytes(pieces: list[int]) -> int:
+    """What one object takes in the staging: its header and pieces, to a line."""
+    return -(-(HEADER_BYTES + sum(pieces)) // _ALIGN) * _ALIGN
+
+
 class _Staging:
     """The objects of one batch laid out in the staging mapping: each a
     header, then its pieces, each object starting on a line."""
 
-    def __init__(self, capacity: int, sizes: list[list[int]]):
+    def __init__(self, sizes: list[list[int]]):
         self.starts, self.lengths, self.piece_offsets = [], [], []
         at = 0
         for pieces in sizes:
-            length = HEADER_BYTES + sum(pieces)
-            if length > capacity:
-                raise ValueError(f"a block of {length - HEADER_BYTES} bytes (with its "
-                                 f"{HEADER_BYTES}-byte header) does not fit the tier's "
-                                 f"{capacity}-byte staging; raise staging_bytes")
             self.starts.append(at)
-            self.lengths.append(length)
+            self.lengths.append(HEADER_BYTES + sum(pieces))
             offset = at + HEADER_BYTES
             for size in pieces:
                 self.piece_offsets.append(offset)
                 offset += size
-            at += -(-length // _ALIGN) * _ALIGN
+            at += _staged_bytes(pieces)
 
     @staticmethod
     def batches(capacity: int, sizes: list[list[int]]) -> list[range]:
-        """Consecutive runs of blocks whose objects fit ``capacity`` together."""
+        """Consecutive runs of blocks whose objects fit ``capacity``
+        together; a block that fits no run is refused before any is made."""
         runs, first, used = [], 0, 0
         for i, pieces in enumerate(sizes):
-            length = -(-(HEADER_BYTES + sum(pieces)) // _ALIGN) * _ALIGN
+            length = _staged_bytes(pieces)
+            if length > capacity:
+                raise ValueError(f"a block of {sum(pieces)} bytes (with its {HEADER_BYTES}-byte "
+                                 f"header) does not fit the tier's {capacity}-byte staging; "
+                                 f"raise staging_bytes")
             if used + length > capacity and i > first:
                 runs.append(range(first, i))
                 first, used = i, 0
@@ -251,8 +254,6 @@ class MooncakeTier(Tier):
     prefix : str
         The objects' key prefix (``prefix/<32 hex digits>``).
     """
-
-    name = "mooncake"
 
     def __init__(self, master: str, metadata: str, *, protocol: str = "tcp", device: str = "",
                  hostname: str = "127.0.0.1", segment_bytes: int = 0,
@@ -425,7 +426,7 @@ class MooncakeTier(Tier):
         taken = np.zeros(keys.shape[0], np.bool_)
         with self._lock:
             for run in _Staging.batches(self._staging.size, sizes):
-                layout = _Staging(self._staging.size, [sizes[i] for i in run])
+                layout = _Staging([sizes[i] for i in run])
                 pieces = [piece for i in run for piece in blocks[i]]
                 sums = np.empty(len(pieces), np.uint64)
                 self._staging.copy_in_blocks(np.array(layout.piece_offsets, np.int64), pieces,
@@ -454,7 +455,7 @@ class MooncakeTier(Tier):
         corrupt = []
         with self._lock:
             for run in _Staging.batches(self._staging.size, sizes):
-                layout = _Staging(self._staging.size, [sizes[i] for i in run])
+                layout = _Staging([sizes[i] for i in run])
                 results = self._call(
                     "batch_get_into", lambda store, *args: store.batch_get_into(*args),
                     self._store, self._names(keys[run.start:run.stop]),
