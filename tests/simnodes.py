@@ -8,6 +8,6 @@ def heartbeat(pool, handles, finished, node, period):
         while node not in handles:
             pool.clock.sleep(period)
         while not finished[node]:
-            handles[node].nodes.beat(node)
+            handles[node].beat()  # through its own lease when it fences
             pool.clock.sleep(period)
     return body

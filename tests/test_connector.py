@@ -517,3 +517,88 @@ def test_a_full_fragmented_pool_never_fails_a_store_and_closes_clean(pool_path, 
                 manager.close()
         finally:
             Pool.destroy(pool_path)
+
+
+# ------------------------------------------------------- self-fencing (R6)
+
+def _fencing_connector():
+    """A connector on node 0 of a one-host simulated pool, fencing on (it
+    beats by hand: `Pool.beat`), and the simulator."""
+    pool = SimPool(256 * 1024, hosts=1, seed=0, chaos=0.0)
+    format_pool(pool.hosts[0], max_nodes=2, locks=("alloc", "objects", "index"), max_locks=3,
+                chunk_size=8192, max_objects=8, index_capacity=32, lock_mode="bakery",
+                lease_timeout=SIM_LEASE)
+    handle = Pool(pool.hosts[0], 0, clock=pool.clock, heartbeat=False, local_locks=False,
+                  fencing=True)
+    return pool, Connector(handle, SIM_LAYOUT, timeout=100 * SIM_LEASE)
+
+
+def _stalls_after(pool, owner, name):
+    """``owner.name`` stalls past half the lease once it has returned (a
+    process paused there, as by SIGSTOP)."""
+    step = getattr(owner, name)
+
+    def stalled(*args, **kwargs):
+        result = step(*args, **kwargs)
+        pool.clock.sleep(0.6 * SIM_LEASE)
+        return result
+    setattr(owner, name, stalled)
+
+
+def _blocks(seed, count):
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 2**63, (count, 2), dtype=np.uint64), \
+        [rng.integers(0, 256, SIM_LAYOUT.block_bytes, dtype=np.uint8) for _ in range(count)]
+
+
+@pytest.mark.sim
+def test_a_writer_stalled_after_its_reserve_copies_nothing():
+    pool, kv = _fencing_connector()
+    keys, blocks = _blocks(1, 2)
+    reserved = []
+    reserve = kv.index.reserve
+
+    def remember(*args, **kwargs):
+        reserved.append(reserve(*args, **kwargs))
+        return reserved[-1]
+    kv.index.reserve = remember
+    _stalls_after(pool, kv.index, "reserve")
+    assert kv.store(keys, blocks) == 0
+    assert kv.stats["fenced"] == 1 and kv.stats["stored_blocks"] == 0
+    for offset in reserved[0].offsets:  # its blocks may be another's already: untouched
+        assert not pool.memory[offset:offset + SIM_LAYOUT.block_bytes].any()
+    del kv.index.reserve  # the next store rejoins as a new incarnation, then stores
+    epoch = kv.pool.epoch
+    assert kv.store(keys, blocks) == 2
+    assert kv.pool.epoch == epoch + 1 and kv.stats["rejoins"] == 1
+
+
+@pytest.mark.sim
+def test_a_reader_stalled_while_it_copies_serves_a_miss():
+    pool, kv = _fencing_connector()
+    keys, blocks = _blocks(2, 2)
+    assert kv.store(keys, blocks) == 2
+    out = [np.zeros(SIM_LAYOUT.block_bytes, np.uint8) for _ in blocks]
+    _stalls_after(pool, kv.transfer, "load")  # its pins may have been ignored meanwhile
+    assert kv.load(keys, out) == 0
+    assert kv.stats["fenced"] == 1 and kv.stats["hit_blocks"] == 0
+    del kv.transfer.load
+    assert kv.load(keys, out) == 2 and kv.stats["rejoins"] == 1
+    assert all(np.array_equal(got, block) for got, block in zip(out, blocks))
+
+
+@pytest.mark.sim
+def test_a_producer_stalled_before_its_record_offers_nothing():
+    pool, kv = _fencing_connector()
+    keys, blocks = _blocks(3, 2)
+    record = []
+    alloc = kv.index.alloc
+
+    def remember(*args, **kwargs):
+        record.append(alloc(*args, **kwargs))
+        return record[-1]
+    kv.index.alloc = remember
+    _stalls_after(pool, kv.index, "alloc")
+    assert kv.offer("req", keys, blocks) == NO_OFFER
+    assert kv.stats["not_offered"] == 1 and not kv.offers
+    assert not pool.memory[record[-1]:record[-1] + 64].any()  # no record written

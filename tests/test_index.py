@@ -21,7 +21,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 import naive
 from simnodes import heartbeat
 from tract._kernels import probe
-from tract.errors import CorruptionError, PoolFull
+from tract.errors import CorruptionError, LeaseLost, PoolFull
 from tract.fsck import fsck
 from tract.hashing import BlockHasher
 from tract.pool import Pool, format_pool
@@ -885,3 +885,26 @@ def test_pins_held_counts_a_nodes_pins_until_they_are_taken_back(pool_path):
         assert pool.index.pins_held(0) == 0
         with pytest.raises(ValueError, match="beyond this pool's max_nodes"):
             pool.index.pins_held(2)
+
+
+@pytest.mark.sim
+def test_a_node_whose_lease_lapsed_pins_nothing():
+    """Self-fencing (R6): a reader stalled past half its lease may have had
+    its pins ignored by an evictor already; it pins nothing more (its pin
+    words stay as they were) until it rejoins."""
+    pool = _sim_pool(0, 2, chaos=0.0)
+    handle = Pool(pool.hosts[0], 0, clock=pool.clock, heartbeat=False, local_locks=False,
+                  fencing=True)
+    index = handle.index
+    keys = np.array([[5, 6], [7, 8]], dtype=np.uint64)
+    reserved = index.reserve(keys, 256, tokens=4)
+    index.publish(reserved)
+    hits = index.pin(keys)
+    assert len(hits) == 2
+    index.unpin(hits)
+    pool.clock.sleep(0.6 * SIM_LEASE)  # stalled
+    words = pool.memory[index.node_base:index.node_base + index.node_bytes].copy()
+    with pytest.raises(LeaseLost, match="does not write a pin"):
+        index.pin(keys)
+    assert np.array_equal(pool.memory[index.node_base:index.node_base + index.node_bytes], words)
+    assert handle.renew() and len(index.pin(keys)) == 2

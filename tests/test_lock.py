@@ -510,11 +510,13 @@ def test_lease_lost_is_reported_to_a_revoked_holder(pool_path):
     with Pool.open(pool_path, 0) as first:
         lock = first.lock("alloc")
         lock.acquire()
-        first._stop.set()  # its heartbeat stops, as a paused process's would
-        for thread in first._threads:
-            thread.join()
+        first._stop_threads()  # its heartbeat stops, as a paused process's would
         with Pool.open(pool_path, 1) as second:
             with second.lock("alloc")(timeout=5):
+                # its own lease tells it first (self-fencing, R6) ...
+                with pytest.raises(LeaseLost, match="last beat is older than half its lease"):
+                    lock.check()
+                first.fencing = False  # ... and the grant, taken over, tells it too
                 with pytest.raises(LeaseLost, match="taken over by node 1"):
                     lock.check()
         lock.release()
@@ -692,3 +694,62 @@ def test_a_holder_keeps_its_grant_through_a_take_over_on_its_managers_node(seed)
     assert len(checks) > 1
     lock.check()
     assert lock.holder() == (None, epoch + 1)
+
+
+# ------------------------------------------------------- self-fencing (R6)
+
+def _fencing_node(pool, node):
+    """Node ``node`` of a simulated pool, fencing on (it beats by hand)."""
+    return Pool(pool.hosts[node], node, clock=pool.clock, heartbeat=False, local_locks=False,
+                fencing=True)
+
+
+@pytest.mark.sim
+def test_a_holder_whose_lease_lapsed_is_fenced_before_its_grant_is_revoked():
+    """A holder stalled past half its lease: the bakery has not let anyone
+    in yet (nobody has judged it stale), but its own clock says that soon
+    someone may: `check` refuses, its late beat is no beat, and it rejoins
+    as a new incarnation before its next operation."""
+    pool = _sim_pool(0, 2, "bakery", chaos=0.0)
+    handle = _fencing_node(pool, 0)
+    lock = handle.lock("alloc")
+    lock.acquire()
+    lock.check()
+    pool.clock.sleep(0.6 * SIM_LEASE)
+    with pytest.raises(LeaseLost, match="does not write under lock 'alloc'"):
+        lock.check()
+    lock.release()
+    assert not handle.beat()  # late: not a beat, and the node stays lapsed
+    with pytest.raises(LeaseLost, match="a beat came late"):
+        lock.check()
+    assert handle.renew() and handle.epoch == 2 and handle.nodes.read(0)[1] == 2
+    lock.acquire()
+    lock.check()
+    lock.release()
+    assert not handle.renew()
+
+
+@pytest.mark.sim
+def test_a_manager_whose_lease_lapsed_grants_nothing():
+    """A manager stalled past half its lease writes no grant line (a
+    standby may have taken over): here its take-over stops before any."""
+    pool = _sim_pool(0, 2, "manager", chaos=0.0)
+    handle = _fencing_node(pool, 0)
+    manager = handle.manager()
+    grant = handle.layout.grant_line(0, 0)
+    kept_alive = manager.space.keep_alive
+
+    def stalled():  # the step's beat and check pass, then the process stalls
+        kept_alive()
+        pool.clock.sleep(0.6 * SIM_LEASE)
+    manager.space.keep_alive = stalled
+    before = pool.memory[grant:grant + LINE].copy()
+    with pytest.raises(LeaseLost, match="does not write the grant line of lock 0"):
+        manager.step()
+    assert (pool.memory[grant:grant + LINE] == before).all() and not manager.active
+    manager.space.keep_alive = kept_alive
+    with pytest.raises(LeaseLost, match="does not write a wait for a lock"):
+        manager.step()  # lapsed: it does not even look for work
+    assert handle.renew()
+    manager.step()
+    assert manager.active

@@ -427,3 +427,98 @@ def test_a_holder_killed_after_a_hand_off_is_repaired(pool_path):
             other = manager_pool.lock("alloc")
             assert other.acquire(timeout=10) > epoch  # node 1 gave it back
             other.release()
+
+
+# ------------------------------------------------------- the node's own lease
+
+def test_the_native_lease_verdict_is_its_reference_s():
+    """`_lockfast.lease_state` against `tract.lease.OwnLease.state`, over
+    fresh, late, lapsed and rejoined words, at the limit and either side."""
+    import numpy as np
+
+    from tract.lease import BEATEN, CURRENT, LATE_BEAT, LEASE_WORDS, Clock, OwnLease
+
+    words = np.zeros(LEASE_WORDS, np.uint64)
+    own = OwnLease(Clock(), 0.4, words)
+    limit = own.limit_ns
+    for beaten, current, late, epoch, age in itertools.product(
+            [10**12, 5 * 10**12], [1, 7], [0, 1], [1, 7, 8],
+            [0, 1, limit - 1, limit, limit + 1, 3 * limit]):
+        words[BEATEN], words[CURRENT], words[LATE_BEAT] = beaten, current, late
+        now = beaten + age
+        assert _lockfast.lease_state(words.ctypes.data, now, limit, epoch) == \
+            own.state(epoch, now), (beaten, current, late, epoch, age)
+
+
+def test_a_native_beat_is_the_reference_beat(quiet):
+    """`_lockfast.Heartbeat`'s step (`beat_once`) against `OwnLease.beat`
+    with `NodeTable.beat`: the same verdict, the same heartbeat line and
+    lease words, the same cache-control batches; a late beat writes
+    nothing and lapses the node."""
+    import numpy as np
+
+    from tract.lease import BEATEN, LATE_BEAT, LEASE_WORDS, OwnLease
+
+    region, line = quiet.region, quiet.nodes.line(NODE)
+    words = np.zeros(LEASE_WORDS, np.uint64)
+    own = OwnLease(quiet.clock, 0.4, words)
+    for age, late in [(0, 0), (own.limit_ns // 2, 0), (own.limit_ns + 1, 0), (0, 1)]:
+        start = words.copy()
+        now = 10**13
+        start[BEATEN], start[LATE_BEAT] = now - age, late
+        own.now_ns = lambda: now  # the reference on the same moment as the native step
+
+        def reference():
+            words[:] = start
+            return own.beat(quiet.nodes, NODE), words.copy()
+
+        def fast():
+            words[:] = start
+            return _lockfast.beat_once(region, line, words.ctypes.data, now, own.limit_ns), \
+                words.copy()
+        found, got = twins.both(region, [(line, 64)], reference, fast)
+        twins.check("tract._native._lockfast.Heartbeat.start", found, got,
+                    context=(age, late))
+        assert found.result[0] == (age <= own.limit_ns and not late)
+
+
+def _stopped_holder(path, ready, outcome):
+    with Pool.open(path, 0, manager=True) as pool:
+        ready.set()
+        time.sleep(0.5)  # SIGSTOPped here, past its lease, then SIGCONTed
+        try:
+            pool.self_fence("a test write")
+            outcome.put("wrote")
+        except Exception as error:
+            outcome.put(type(error).__name__)
+        outcome.put(pool.renew())
+
+
+@pytest.mark.multiprocess
+def test_a_process_stopped_past_its_lease_fences_itself_then_rejoins(pool_path):
+    """SIGSTOP a process for three leases: its native heartbeat stopped too,
+    its first beat after SIGCONT is late, so it writes nothing (`LeaseLost`)
+    and rejoins as a new incarnation; meanwhile another node judged it
+    stale."""
+    Pool.create(pool_path, 1 << 20, lock_mode="manager", max_nodes=MAX_NODES, lease_timeout=0.2,
+                chunk_size=1 << 16)
+    context = multiprocessing.get_context("fork")
+    ready, outcome = context.Event(), context.Queue()
+    process = context.Process(target=_stopped_holder, args=(pool_path, ready, outcome))
+    process.start()
+    try:
+        assert ready.wait(60)
+        with Pool.open(pool_path, 2) as observer:
+            assert observer.space.liveness.live(0)
+            os.kill(process.pid, signal.SIGSTOP)
+            deadline = time.monotonic() + 3 * 0.2 * 5
+            while observer.space.liveness.live(0):
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            os.kill(process.pid, signal.SIGCONT)
+        assert outcome.get(timeout=60) == "LeaseLost"
+        assert outcome.get(timeout=60) is True
+    finally:
+        os.kill(process.pid, signal.SIGCONT)
+        process.join(60)
+    assert process.exitcode == 0

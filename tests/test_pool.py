@@ -214,3 +214,35 @@ def test_a_pool_is_published_whole_and_unpublished_for_every_host():
     seeds = int(os.environ.get("TRACT_SIM_SEEDS", "200"))
     for seed in range(max(1, seeds // 4)):
         _published(seed, chaos=0.3 if seed % 2 else 0.0)
+
+
+@pytest.mark.sim
+def test_a_node_whose_lease_lapsed_allocates_nothing():
+    """Self-fencing (R6): a process stalled past half its lease is refused
+    an allocation before it touches the allocator's lock (its slabs may be
+    another node's already); it rejoins, then allocates."""
+    from tract.errors import LeaseLost
+    from tract.pool import format_pool
+    from tract.testing.incoherent import SimPool
+
+    sim = SimPool(64 * 1024, hosts=1, seed=0, chaos=0.0)
+    format_pool(sim.hosts[0], max_nodes=2, locks=("alloc", "objects"), max_locks=2,
+                chunk_size=8192, max_objects=16, index_capacity=64, lease_timeout=0.004,
+                lock_mode="bakery")
+    handle = Pool(sim.hosts[0], 0, clock=sim.clock, heartbeat=False, local_locks=False,
+                  fencing=True)
+    handle.free(handle.alloc(3000))
+    sim.clock.sleep(0.003)
+    request = handle.layout.request_line(0, 0)
+    before = sim.memory[request:request + 64].copy()
+    for allocate in (lambda: handle.alloc(3000), lambda: handle.alloc_many(3000, 2)):
+        with pytest.raises(LeaseLost, match="does not write an allocation"):
+            allocate()
+    assert (sim.memory[request:request + 64] == before).all()  # not even a lock request
+    assert handle.renew()
+    kept = handle.alloc(3000)
+    sim.clock.sleep(0.003)
+    with pytest.raises(LeaseLost, match="does not write a free"):
+        handle.free(kept)  # it may be another's allocation by now
+    assert handle.renew()
+    handle.free(handle.alloc(3000))

@@ -88,6 +88,9 @@ TWINS: dict[str, Twin] = {twin.fast: twin for twin in (
           "to raise",)),
     Twin("tract._native._lockfast.ManagerFastPath.release", "tract.lock.Cohort.release"),
     Twin("tract._native._lockfast.ManagerFastPath.sweep", "tract.lock.Cohort.sweep"),
+    Twin("tract._native._lockfast.Heartbeat.start",
+         "tract.lease.OwnLease.beat + tract.lease.NodeTable.beat",
+         ("beats every period on a thread of its own, without the GIL",)),
     Twin("tract._native._handofffast.HandoffFastPath.write",
          "tract.handoff.HandoffRecords._write"),
     Twin("tract._native._handofffast.HandoffFastPath.read",
@@ -112,6 +115,8 @@ TWINS: dict[str, Twin] = {twin.fast: twin for twin in (
 NOT_STEPS: dict[str, str] = {
     "tract._native._lockfast.ManagerFastPath.slot_words":
         "reads the node-local slot words for tests; no pool memory",
+    "tract._native._lockfast.Heartbeat.stop":
+        "stops and joins the beating thread; writes nothing",
     "tract._native._nodeheap.NodeHeap":
         "node-local memory (one host, so coherent): no cache control; held to its "
         "result by tests/test_alloc.py",

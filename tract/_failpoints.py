@@ -1,12 +1,15 @@
-"""Named kill points in the protocol steps (`tract.testing.faults` runs the
-campaigns over them; this module imports only the standard library, so the
-protocol modules import nothing of `tract.testing`).
+"""Named fail points in the protocol steps (`tract.testing.faults` runs the
+kill and stall campaigns over them; this module imports only the standard
+library, so the protocol modules import nothing of `tract.testing`).
 
 A point is armed from the environment, read once at import
 (``TRACT_KILL_POINT=<name>``, ``TRACT_KILL_AFTER=<n>``: die the n-th time
-the point is reached, default 1), or in a process by `arm`.  Unarmed,
-`point` is one comparison; a hot path skips even the call while ``ARMED``
-(the armed point's name) is None.  The points are listed, with where each lies, in
+the point is reached, default 1), or in a process by `arm`, whose
+``action`` is ``"kill"`` (SIGKILL: a crash) or ``"stop"`` (SIGSTOP: a
+stall, until another process sends SIGCONT; the point is disarmed first,
+`on_stop` is called before it and `on_resume` after).  Unarmed, `point` is
+one comparison; a hot path skips even the call while ``ARMED`` (the armed
+point's name) is None.  The points are listed, with where each lies, in
 `tract.testing.faults`.
 """
 
@@ -15,11 +18,12 @@ from __future__ import annotations
 import os
 import signal
 
-__all__ = ["ARMED", "POINTS", "arm", "point"]
+__all__ = ["ACTIONS", "ARMED", "POINTS", "arm", "on_resume", "on_stop", "point"]
 
 POINTS = ("lock.acquired", "lock.release", "manager.grant", "alloc.locked", "free.locked",
           "store.copied", "publish.locked", "evict.marked", "handoff.pinned",
           "handoff.released")
+ACTIONS = ("kill", "stop")
 
 ARMED = os.environ.get("TRACT_KILL_POINT") or None
 _AFTER = int(os.environ.get("TRACT_KILL_AFTER", "1"))
@@ -28,26 +32,40 @@ if ARMED is not None and ARMED not in POINTS:
                      f"{', '.join(POINTS)}")
 if _AFTER < 1:
     raise ValueError(f"TRACT_KILL_AFTER must be at least 1, got {_AFTER}")
+_ACTION = "kill"
 _reached = 0
+#: called with the point's name right before a stop, and right after the resume
+on_stop = None
+on_resume = None
 
 
-def arm(name: str | None, after: int = 1) -> None:
-    """Arm ``name`` in this process (None disarms): die the ``after``-th
-    time it is reached from now."""
-    global ARMED, _AFTER, _reached
+def arm(name: str | None, after: int = 1, action: str = "kill") -> None:
+    """Arm ``name`` in this process (None disarms): ``action`` the
+    ``after``-th time it is reached from now."""
+    global ARMED, _AFTER, _ACTION, _reached
     if name is not None and name not in POINTS:
-        raise ValueError(f"{name!r} is not a kill point; the points are {', '.join(POINTS)}")
+        raise ValueError(f"{name!r} is not a fail point; the points are {', '.join(POINTS)}")
     if after < 1:
         raise ValueError(f"after must be at least 1, got {after}")
-    ARMED, _AFTER, _reached = name, after, 0
+    if action not in ACTIONS:
+        raise ValueError(f"action must be one of {ACTIONS}, got {action!r}")
+    ARMED, _AFTER, _ACTION, _reached = name, after, action, 0
 
 
 def point(name: str) -> None:
-    """Die here by SIGKILL if ``name`` is the armed point and this is the
-    armed time it is reached."""
-    global _reached
+    """Die here by SIGKILL, or stop by SIGSTOP, if ``name`` is the armed
+    point and this is the armed time it is reached."""
+    global ARMED, _reached
     if name != ARMED:
         return
     _reached += 1
-    if _reached >= _AFTER:
+    if _reached < _AFTER:
+        return
+    if _ACTION == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    ARMED = None
+    if on_stop is not None:
+        on_stop(name)
+    os.kill(os.getpid(), signal.SIGSTOP)
+    if on_resume is not None:
+        on_resume(name)

@@ -141,6 +141,7 @@ class Connector:
         self.offers: dict[str, Offer] = {}
         self._retired: list[tuple[float, int]] = []  # (free at, record offset) heap
         self._released = float("-inf")
+        self._epoch = pool.epoch  # the incarnation its offers belong to
         #: this process's counts (the pool keeps its node's: `Pool.counters`)
         self.stats = dict.fromkeys([*COUNTERS, "expired"], 0)
         # a tier named by URL is this connector's own, its digests seeded
@@ -155,6 +156,19 @@ class Connector:
         """Count ``blocks`` that an engine asked to store and that were not
         (a queued save cancelled or timed out: `stats["not_stored"]`)."""
         self._count(not_stored=blocks)
+
+    def _renew(self) -> None:
+        """Before each operation: rejoin as a new incarnation when this
+        node's lease lapsed (`tract.pool.Pool.renew`): the lapsed one's
+        offers and pins went with it."""
+        self.pool.renew()
+        if self.pool.epoch != self._epoch:  # rejoined, here or by another caller
+            self._epoch = self.pool.epoch
+            self.stats["rejoins"] += 1
+            # its records are in memory the lapsed incarnation held: another
+            # node may hold it now, so they are not freed from here (R6)
+            self.offers.clear()
+            self._retired.clear()
 
     def _count(self, **deltas: int) -> None:
         for name, delta in deltas.items():
@@ -202,6 +216,7 @@ class Connector:
 
     def lookup(self, tokens_or_hashes) -> int:
         """How many leading tokens the pool holds, ready."""
+        self._renew()
         self._release_now_and_then()
         keys = self.keys(tokens_or_hashes)
         blocks = self.index.lookup(keys)
@@ -214,8 +229,9 @@ class Connector:
         """Copy the leading hits of the keys into ``blocks`` (one engine
         block each, or its segments); returns how many leading blocks are
         good (checksums verified)."""
+        self._renew()
         keys = self.keys(tokens_or_hashes)[:len(blocks)]
-        hits = self.index.pin(keys)
+        hits = self._pin(keys)
         try:
             if len(hits) < len(blocks):  # what no hit fills is checked all the same
                 self.transfer.check(blocks[len(hits):])
@@ -293,6 +309,15 @@ class Connector:
         self._count(tier_stored_blocks=taken,
                     tier_written_bytes=taken * self.layout.block_bytes)
 
+    def _pin(self, keys: np.ndarray) -> Hits:
+        """`Index.pin`; no hits when this node's lease lapsed (`LeaseLost`:
+        the engine recomputes, and the next operation rejoins)."""
+        try:
+            return self.index.pin(keys)
+        except LeaseLost:
+            self._count(fenced=1)
+            return Hits(np.empty(0, np.int64), np.empty((0, 8), np.uint64), self.pool.epoch)
+
     def _load_hits(self, hits: Hits, blocks: Sequence) -> int:
         count = len(hits)
         if not count:
@@ -301,6 +326,13 @@ class Connector:
         if short.size:  # another layout under this namespace: a miss, never a wrong copy
             count = int(short[0])
         good = self.transfer.load(hits.offsets[:count], blocks[:count], hits.checksums[:count])
+        try:
+            # this node's pins may have been ignored mid-copy (R6: a lapsed
+            # node's claims are reclaimable): what was read is not trusted
+            self.pool.self_fence("a load's bytes (pinned) into the engine")
+        except LeaseLost:
+            self._count(fenced=1)
+            return 0
         bad = np.flatnonzero(~good)
         loaded = int(bad[0]) if bad.size else count
         self._count(checksum_failures=int(bad.size), hit_blocks=loaded,
@@ -326,6 +358,7 @@ class Connector:
         """`store`, reporting block by block: `Stored.kept` is true for
         each block the pool holds or another writer is writing (published
         now or present already), false for each one not stored."""
+        self._renew()
         self._release_now_and_then()
         keys = self.keys(tokens_or_hashes)
         if keys.shape[0] < len(blocks):
@@ -366,7 +399,13 @@ class Connector:
         if not taken.size:
             return 0
         try:
+            # the blocks lie in slabs this node owns: another node may have
+            # reclaimed them if this node's lease lapsed since the reserve
+            self.pool.self_fence("payloads into reserved blocks")
             sums = self.transfer.store(reserved.offsets[taken], [blocks[i] for i in taken])
+        except LeaseLost:  # WRITING entries of a lapsed incarnation: others reclaim them (R6)
+            self._count(fenced=1)
+            return 0
         except BaseException:
             self.index.abort(reserved, timeout=self.timeout)
             raise
@@ -390,6 +429,7 @@ class Connector:
     def remove(self, tokens_or_hashes) -> np.ndarray:
         """Delete the blocks of the keys (an engine's explicit remove);
         returns which were removed.  A block some live node pins stays."""
+        self._renew()
         return self.index.remove(self.keys(tokens_or_hashes), timeout=self.timeout)
 
     # ---------------------------------------------------------- handoff
@@ -408,7 +448,7 @@ class Connector:
             raise ValueError(f"offer ttl must be a positive number of seconds, got {ttl!r}")
         keys = self.keys(tokens_or_hashes)[:len(blocks)]
         self.store(keys, blocks)
-        hits = self.index.pin(keys)
+        hits = self._pin(keys)
         faults.point("handoff.pinned")
         deadline = self.pool.clock.wall() + (self.ttl if ttl is None else ttl)
         try:
@@ -430,12 +470,13 @@ class Connector:
         offer taken.  An offer that is gone (expired, cancelled, its
         producer dead, its record reused) loads nothing: the engine
         recomputes."""
+        self._renew()
         record = self.handoff.read(ticket)  # raises `ValueError` for a string naming no record
         if record is None:  # `NO_OFFER`, or an offer that is gone
             self._count(handoff_misses=1, miss_blocks=len(blocks))
             return Taken(0, 0)
         keys = record.keys
-        hits = self.index.pin(keys[:len(blocks)])
+        hits = self._pin(keys[:len(blocks)])
         try:
             loaded = self._load_hits(hits, blocks)
             self.handoff.mark_taken(record)
@@ -453,7 +494,11 @@ class Connector:
 
     def _free_retired(self, now: float) -> None:
         while self._retired and self._retired[0][0] <= now:
-            self.pool.free(heapq.heappop(self._retired)[1], self.timeout)
+            try:
+                self.pool.free(self._retired[0][1], self.timeout)
+            except LeaseLost:  # a lapsed incarnation's records: dropped at its rejoin
+                return
+            heapq.heappop(self._retired)
 
     def _release_now_and_then(self) -> None:
         """`release`, from the cache calls, at most every `RELEASE_EVERY`
@@ -467,6 +512,7 @@ class Connector:
         """Prefill side: drop the pins of offers that were taken or
         expired, and free the records whose time has come; returns how
         many offers ended."""
+        self._renew()
         now, done = self.pool.clock.wall(), []
         marks = self.handoff.taken([(offer.record, offer.nonce)
                                     for offer in self.offers.values()]) if self.offers else []

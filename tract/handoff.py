@@ -122,6 +122,7 @@ class HandoffRecords:
         keys = np.ascontiguousarray(keys, dtype=np.uint64).reshape(-1, 2)
         offset = pool.index.alloc(_KEYS_AT + 16 * len(keys), timeout)
         try:
+            pool.self_fence("a handoff record")  # into a block of a slab this node owns
             if self.fast is not None:
                 self.fast.write(offset, nonce, pool.node, pool.epoch, deadline, keys)
             else:

@@ -98,12 +98,14 @@ class Hit:
 
 class Hits:
     """Pinned READY entries (`Index.pin`), in key order, as arrays; ``hits[i]``
-    is a `Hit`.  Their payloads may be read until `Index.unpin`."""
+    is a `Hit`.  Their payloads may be read until `Index.unpin`.  ``epoch``:
+    the pinning node's incarnation (its pins go with it, `Pool.renew`; None:
+    the current one)."""
 
-    __slots__ = ("entries", "slots")
+    __slots__ = ("entries", "epoch", "slots")
 
-    def __init__(self, slots: np.ndarray, entries: np.ndarray):
-        self.slots, self.entries = slots, entries
+    def __init__(self, slots: np.ndarray, entries: np.ndarray, epoch: int | None = None):
+        self.slots, self.entries, self.epoch = slots, entries, epoch
 
     def __len__(self) -> int:
         return self.slots.size
@@ -365,8 +367,10 @@ class Index:
 
     def pin(self, keys) -> Hits:
         """Pin the leading READY entries of ``keys``: their payloads stay
-        until `unpin`."""
+        until `unpin`.  `LeaseLost` when this node's own lease lapsed
+        (its pins may be ignored already: R6)."""
         keys = _keys(keys)
+        self.pool.self_fence("a pin")
         if self._fast:
             slots = np.empty(keys.shape[0], dtype=np.int64)
             entries = np.empty((keys.shape[0], 8), dtype=np.uint64)
@@ -378,7 +382,7 @@ class Index:
             slots, entries = slots[:valid], entries[:valid]
         else:
             slots, entries = self._pin(keys)
-        hits = Hits(slots, entries)
+        hits = Hits(slots, entries, self.pool.epoch)
         if len(hits):
             self.pool.stats.add(pins=len(hits))
         low, high = self.heap
@@ -423,7 +427,11 @@ class Index:
                               f"{self.pool.node} is full")
 
     def unpin(self, hits: Hits | list[Hit]) -> None:
-        """Take back the pins of `pin` (all of them, or some `Hit` of them)."""
+        """Take back the pins of `pin` (all of them, or some `Hit` of them).
+        Pins of an incarnation this node has left (`Pool.renew`) went with
+        it: nothing to take back."""
+        if isinstance(hits, Hits) and hits.epoch not in (None, self.pool.epoch):
+            return
         slots = hits.slots if isinstance(hits, Hits) else \
             np.array([hit.slot for hit in hits], dtype=np.int64)
         if not slots.size:

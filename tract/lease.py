@@ -17,17 +17,19 @@ known to be orphaned.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 
-from tract.errors import CorruptionError
+from tract.errors import CorruptionError, LeaseLost
 from tract.lines import LINE
 
 #: the highest epoch a node may join past (joining once a microsecond, a node
 #: would reach it in some 290,000 years)
 EPOCH_MAX = 1 << 63
 
-__all__ = ["ABSENT", "ALIVE", "LEFT", "Backoff", "Clock", "Liveness", "NodeTable"]
+__all__ = ["ABSENT", "ALIVE", "HELD", "LAPSED", "LATE", "LEFT", "REJOINED", "Backoff", "Clock",
+           "Liveness", "NodeTable", "OwnLease"]
 
 ABSENT, ALIVE, LEFT = 0, 1, 2
 _STATES = {ABSENT: "absent", ALIVE: "alive", LEFT: "left"}
@@ -173,3 +175,115 @@ class Liveness:
         """Seconds this observer has seen ``node``'s heartbeat stand still."""
         seen = self._seen.get(node)
         return 0.0 if seen is None else self.clock.now() - seen[2]
+
+
+#: what `OwnLease.state` finds (`tract._native._lockfast.lease_state` returns the same codes)
+HELD, LATE, LAPSED, REJOINED = 0, 1, 2, 3
+_VERDICTS = {LATE: "its last beat is older than half its lease",
+             LAPSED: "a beat came late (the process or its heartbeat stood still)",
+             REJOINED: "another process of the node rejoined it under a new epoch"}
+#: the words of an `OwnLease` (u64 indexes): the node's last good beat (ns of
+#: this host's monotonic clock, read *before* the beat was written), the
+#: node's current epoch, and 1 once a beat came late (until the node rejoins)
+BEATEN, CURRENT, LATE_BEAT = 0, 1, 2
+LEASE_WORDS = 3
+
+
+class OwnLease:
+    """Self-fencing (R6): this process's judgement of its own node's lease.
+
+    Another node judges this one stale when its heartbeat stood still for
+    ``lease_timeout`` of *that* node's clock, counted from when it first
+    saw the last value, so never before the beat's own moment plus the
+    lease.  A process that finds its node's last good beat no older than
+    half the lease, on its own clock, knows that no node has judged it
+    stale yet, and has the other half for the write it checks for.
+
+    The words (`LEASE_WORDS` u64, at ``words``: a numpy view) are the node's:
+    in its node-local file, shared by every process of the node (one host:
+    one monotonic clock, coherent memory), or private to a process that is
+    its node's only one.  A beat that comes more than half a lease after
+    the last good one is not a beat ("a beat that is late is not a beat"):
+    it is not written, and the node stays lapsed until one of its processes
+    rejoins under a new epoch (`tract.pool.Pool.renew`).  Racing beats of
+    two processes may set ``BEATEN`` back to the earlier of two fresh
+    moments: only ever older, so only ever safer.
+
+    `state` is the Python reference step of the native
+    `tract._native._lockfast.lease_state` (tests/test_twins.py holds them
+    to the same verdicts); the simulator runs this one on its virtual
+    clock.
+    """
+
+    def __init__(self, clock: Clock, lease_timeout: float, words):
+        self.clock = clock
+        self.words = words
+        self.limit_ns = int(lease_timeout * 1e9) // 2
+        self._bind()
+
+    def _bind(self) -> None:
+        #: ``now(epoch)``: `state` now, by the native twin on the host's
+        #: monotonic clock (what the hot paths call), else by the reference
+        self.now = self.state
+        if type(self.clock) is Clock:
+            from tract._native._lockfast import lease_state
+
+            self.now = functools.partial(lease_state, self.words.ctypes.data, -1, self.limit_ns)
+
+    def detach(self) -> None:
+        """Keep a private copy of the words (their node-local file is closing)."""
+        self.words = self.words.copy()
+        self._bind()
+
+    def now_ns(self) -> int:
+        if type(self.clock) is Clock:
+            return time.monotonic_ns()
+        return int(self.clock.now() * 1e9)
+
+    def joined(self, epoch: int) -> None:
+        """The node (re)joined as ``epoch``: a fresh lease from now."""
+        words = self.words
+        words[BEATEN] = self.now_ns()
+        words[CURRENT] = epoch
+        words[LATE_BEAT] = 0
+
+    def state(self, epoch: int, now_ns: int | None = None) -> int:
+        """`HELD`, or why the lease of this process's incarnation ``epoch``
+        is not held now (`LATE`, `LAPSED`, `REJOINED`)."""
+        words = self.words
+        now = self.now_ns() if now_ns is None else now_ns
+        if int(words[CURRENT]) != epoch:
+            return REJOINED
+        if words[LATE_BEAT]:
+            return LAPSED
+        if now - int(words[BEATEN]) > self.limit_ns:
+            return LATE
+        return HELD
+
+    def check(self, node: int, epoch: int, what: str) -> None:
+        """Raise `LeaseLost` unless the lease is held: ``what`` is not written."""
+        state = self.now(epoch)
+        if state != HELD:
+            raise LeaseLost(f"node {node} (epoch {epoch}) does not write {what}: "
+                            f"{_VERDICTS[state]} ({self.age():.3f} s since its last good beat; "
+                            f"lease {2 * self.limit_ns / 1e9:g} s); its next operation rejoins "
+                            f"under a new epoch")
+
+    def age(self) -> float:
+        """Seconds since the node's last good beat."""
+        return (self.now_ns() - int(self.words[BEATEN])) / 1e9
+
+    def beat(self, nodes: NodeTable, node: int) -> bool:
+        """The heartbeat step: beat ``node`` unless the beat is late (then
+        mark the node lapsed and write nothing); whether it beat."""
+        words = self.words
+        now = self.now_ns()
+        if words[LATE_BEAT]:
+            return False
+        if now - int(words[BEATEN]) > self.limit_ns:
+            words[LATE_BEAT] = 1
+            return False
+        nodes.beat(node)
+        if now > int(words[BEATEN]):
+            words[BEATEN] = now
+        return True

@@ -157,17 +157,33 @@ class LockSpace:
         self.lease_timeout = lease_timeout
         self.liveness = Liveness(nodes, self.clock, lease_timeout)
         self._last_beat = self.clock.now()
+        self.own = None  # this node's `tract.lease.OwnLease`: beats go through it
+        self.fencing = None  # the pool's self-fence (`tract.pool.Pool.self_fence`), if on
 
     def backoff(self) -> Backoff:
         return Backoff(self.clock)
 
     def keep_alive(self) -> None:
         """Beat when a quarter lease has passed (waiters call this, so a node
-        stuck waiting keeps its place even without a heartbeat thread)."""
+        stuck waiting keeps its place even without a heartbeat thread).  A
+        waiter whose own lease lapsed (fencing on) gets `LeaseLost`: no node
+        gives a stale one its turn (R6), and it would write nothing under
+        it anyway."""
         now = self.clock.now()
         if now - self._last_beat >= self.lease_timeout / 4:
-            self.nodes.beat(self.node)
+            if self.own is not None:
+                self.own.beat(self.nodes, self.node)  # a late beat is not a beat
+            else:
+                self.nodes.beat(self.node)
             self._last_beat = now
+        if self.fencing is not None:
+            self.fencing("a wait for a lock")
+
+    def self_fence(self, what: str) -> None:
+        """Raise `LeaseLost` when this node's own lease lapsed (R6): ``what``
+        depends on a claim and is not written."""
+        if self.fencing is not None:
+            self.fencing(what)
 
     def fresh(self, *lines: int) -> None:
         """Invalidate lines another host writes, then one fence (R4)."""
@@ -292,7 +308,11 @@ class BakeryLock:
                     self._withdraw()
                     holder, epoch = self.holder()
                     raise space.timeout(self.name, holder, epoch, space.clock.now() - start)
-                space.keep_alive()
+                try:
+                    space.keep_alive()
+                except LeaseLost:
+                    self._withdraw()
+                    raise
                 backoff.wait()
                 space.fresh(line)
         epoch_line = layout.epoch_line(self.lock)
@@ -427,7 +447,11 @@ class ManagedLock:
                 holder = grant.holder if grant is not None else None
                 raise space.timeout(self.name, holder, grant.epoch if grant else 0,
                                     space.clock.now() - start)
-            space.keep_alive()
+            try:
+                space.keep_alive()
+            except LeaseLost:  # withdrawn, as after a timeout
+                self.release()
+                raise
             backoff.wait()
 
     def _say_waiting(self, request: int, seq: int, grant: Grant | None, manager_epoch: int,
@@ -696,8 +720,9 @@ class LockManager:
     # ------------------------------------------------------------- granting
 
     def _write(self, lock: int) -> None:
-        self.writes += 1
         grant, space = self._grants[lock], self.space
+        space.self_fence(f"the grant line of lock {lock}")  # a lapsed manager grants nothing
+        self.writes += 1
         line = space.layout.grant_line(lock, space.node)
         fields = [0 if grant.holder is None else grant.holder + 1, grant.state, grant.seq,
                   grant.epoch, self.manager_epoch]
@@ -810,6 +835,8 @@ class LockManager:
                 except CorruptionError as error:
                     self.failure, waiting = error, False
                     stop.wait(self.space.lease_timeout / 4)
+                except LeaseLost:  # this node lapsed: a standby takes over; stand by
+                    self.active, waiting = False, False
                 if self.writes != writes:
                     backoff.reset()  # a grant moved: its next move follows soon
                 elif waiting:
@@ -1003,7 +1030,9 @@ class Lock:
                 self.local.release()
 
     def check(self) -> None:
-        """Raise `LeaseLost` unless this node still holds the lock."""
+        """Raise `LeaseLost` unless this node still holds the lock, and its
+        own lease (a node may not know yet that its grant is revoked)."""
+        self.global_lock.space.self_fence(f"under lock {self.name!r}")
         if self.fast is not None:
             if self.fast.still_granted():  # the common case, natively
                 return

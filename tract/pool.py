@@ -40,11 +40,13 @@ import uuid
 
 from tract import platform
 from tract._native._localmutex import LocalMutex
-from tract._native._lockfast import ManagerFastPath
+from tract._native._lockfast import Heartbeat, ManagerFastPath
 from tract._native._nodeheap import NodeHeap, heap_bytes
 from tract.alloc import OFFSET_BITS, AllocLayout, Allocator, RingTurn, pid_alive
 from tract.errors import ConfigError, CorruptionError, TractError
-from tract.lease import ALIVE, Clock, NodeTable
+import numpy as np
+
+from tract.lease import ALIVE, BEATEN, CURRENT, HELD, LEASE_WORDS, Clock, NodeTable, OwnLease
 from tract.lines import LINE
 from tract.lock import (COHORT_PASSES, LOCK_MODES, SLOT_BYTES, Lock, LockLayout, LockManager,
                         LockSpace, read_manager)
@@ -273,10 +275,14 @@ class Pool:
     """One node's handle on a pool: `Pool.create`, then `Pool.open` per process."""
 
     def __init__(self, region, node: int | None, *, clock: Clock | None = None,
-                 manager: bool = False, heartbeat: bool = True, local_locks: bool = True):
+                 manager: bool = False, heartbeat: bool = True, local_locks: bool = True,
+                 fencing: bool | None = None):
         """``local_locks=False``: no node-local file (no tier-1 mutexes, no
         slab heap): this process is its node's only one, as under the
-        simulator."""
+        simulator.  ``fencing`` (default: with the heartbeat thread):
+        judge this process's own lease before every write that depends on
+        a claim (`self_fence`); a process without the thread that turns it
+        on beats by `beat` (the simulator's heartbeat threads)."""
         self.region = region
         self.header = header = Header(region)
         if node is None:  # an observer (`Pool.observe`): joins nothing, takes no locks
@@ -290,20 +296,43 @@ class Pool:
         self.layout = LockLayout(header.lock_area, header.max_nodes, header.max_locks)
         self.alloc_layout = AllocLayout(header.alloc, header.size // header.chunk_size,
                                         header.max_nodes)
-        self.space = self._space()
-        self.index = Index(self)  # before the join, which clears a past incarnation's pins
+        self.fencing = heartbeat if fencing is None else fencing
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._heartbeat = None
         self._local = NodeLocal(header, node) if local_locks else None
         try:
+            words = self._local.lease_words() if self._local is not None else \
+                np.zeros(LEASE_WORDS, np.uint64)
+            self.own = OwnLease(self.clock, header.lease_timeout, words)
+            self.space = self._space()
+            self.index = Index(self)  # before the join, which clears a past incarnation's pins
             first = self._local.first if self._local is not None else None
             self.epoch = self._join(first) if node is not None else 0
+            if heartbeat and self.fencing:
+                # from the join on, without the GIL: only a stall of the whole process stops it
+                self._heartbeat = Heartbeat(region, self.nodes.line(node), self.own.words,
+                                            header.lease_timeout / 8, self.own.limit_ns / 1e9)
+                self._heartbeat.start()
             heap = None
             if self._local is not None:
                 heap = self._local.heap
                 if heap.epoch != self.epoch:  # a new incarnation: its slabs went with the last
                     heap.format(self.epoch)
+        except BaseException:
+            self._stop_threads()
+            raise
         finally:
             if self._local is not None:
                 self._local.unlock()
+        try:
+            self._open_mechanisms(heap, heartbeat, manager)
+        except BaseException:  # no thread outlives a failed open (the region closes next)
+            self._stop_threads()
+            raise
+
+    def _open_mechanisms(self, heap, heartbeat: bool, manager: bool) -> None:
+        header, region, node = self.header, self.region, self.node
         self._names = {name: index for index, name in header.lock_names}
         self._locks: dict[str, Lock] = {}
         self._fast_paths: dict[int, ManagerFastPath] = {}
@@ -316,18 +345,12 @@ class Pool:
         self.allocator.add_referrer(lambda: [(r.offset, r.size) for r in self.objects.list()])
         self.stats = NodeStats(region, header.stats, node) if node is not None else None
         self.allocator.add_referrer(self.index.referenced)
-        self._stop = threading.Event()
-        self._threads: list[threading.Thread] = []
-        try:
-            if heartbeat:
-                self._start(self._beat, "heartbeat")
-            if manager:
-                lock_manager = self.manager()
-                self._start(lambda: lock_manager.run(self._stop), "lock-manager")
-                self._await_take_over(lock_manager)
-        except BaseException:  # no thread outlives a failed open (the region closes next)
-            self._stop_threads()
-            raise
+        if heartbeat:
+            self._start(self._beat, "heartbeat")
+        if manager:
+            lock_manager = self.manager()
+            self._start(lambda: lock_manager.run(self._stop), "lock-manager")
+            self._await_take_over(lock_manager)
 
     # --------------------------------------------------------- lifecycle
 
@@ -419,8 +442,11 @@ class Pool:
         # an observer's space only judges leases and backs off: it never
         # beats or takes a lock, so the node it names is never written
         node = 0 if self.node is None else self.node
-        return LockSpace(self.region, self.layout, self.nodes, node,
-                         self.header.lease_timeout, self.clock)
+        space = LockSpace(self.region, self.layout, self.nodes, node,
+                          self.header.lease_timeout, self.clock)
+        if self.node is not None and self.fencing:  # its waits beat through the own lease
+            space.own, space.fencing = self.own, self.self_fence
+        return space
 
     def _join(self, first: bool | None) -> int:
         """Join the node table.  ``first``: no other process of this node
@@ -431,12 +457,71 @@ class Pool:
         if first is None:
             pid = self.region.load_u64(self.nodes.line(self.node) + 24)
             first = state == ALIVE and not pid_alive(pid)
-        joined = self.nodes.join(self.node, first)
+        # a live node whose lease lapsed comes back as a new incarnation too
+        # (its claims may be reclaimed already); private words know no lapse
+        lapsed = self._local is not None and not first and self.own.state(epoch) != HELD
+        joined = self.nodes.join(self.node, first or lapsed)
         if joined != epoch:  # a new incarnation: drop claims the last one left
             self.space.forget_node(self.node)
             # the last incarnation's processes are gone, and their index pins
             self.index.forget_node(self.node)
+        if joined != int(self.own.words[CURRENT]) or first or lapsed or self._local is None:
+            self.own.joined(joined)
+        else:  # the join beat the node's line: a good beat of a held lease
+            self.own.words[BEATEN] = max(int(self.own.words[BEATEN]), self.own.now_ns())
         return joined
+
+    # ----------------------------------------------------- self-fencing
+
+    def self_fence(self, what: str) -> None:
+        """Raise `LeaseLost` unless this process's node still holds its
+        lease (R6, `tract.lease.OwnLease`): call it right before a write
+        that depends on a claim (a grant, a slab or chunk this node owns,
+        a WRITING reservation, a pin); ``what`` names that write.  The
+        next operation rejoins first (`renew`)."""
+        if self.fencing and self.own.now(self.epoch):
+            self.own.check(self.node, self.epoch, what)
+
+    def lease_held(self) -> bool:
+        """Whether this process's node holds its lease now (always, without fencing)."""
+        return not self.fencing or self.own.now(self.epoch) == HELD
+
+    def beat(self) -> bool:
+        """Beat this node's heartbeat now, unless the beat is late (the
+        heartbeat thread does this every quarter lease); whether it beat.
+        Without fencing, every beat is written."""
+        if not self.fencing:
+            self.nodes.beat(self.node)
+            return True
+        return self.own.beat(self.nodes, self.node)
+
+    def renew(self) -> bool:
+        """Before an operation: when this node's lease is not held (a
+        stall past half the lease: `self_fence`), rejoin the pool as a new
+        incarnation, dropping every claim the lapsed one had (as a node
+        restarted after a crash: others reclaim them, R6); whether it
+        rejoined.  `tract.connector.Connector`'s operations call it; code
+        that drives the pool's mechanisms directly calls it between its
+        operations, never inside one (a rejoin drops this node's pins and
+        lock requests)."""
+        if self.lease_held():
+            return False
+        if self._local is not None:
+            self._local.lock()
+        try:
+            if int(self.own.words[CURRENT]) == self.epoch:  # nobody of the node rejoined yet
+                joined = self.nodes.join(self.node, True)
+                self.space.forget_node(self.node)
+                self.index.forget_node(self.node)
+                if self.allocator.heap is not None:
+                    self.allocator.heap.format(joined)
+                self.own.joined(joined)
+            self.epoch = int(self.own.words[CURRENT])
+        finally:
+            if self._local is not None:
+                self._local.unlock()
+        self.stats.add(rejoins=1)
+        return True
 
     def nodes_on_this_host(self) -> set[int]:
         """Nodes of this pool with a node-local file here: their pids are
@@ -451,16 +536,23 @@ class Pool:
         return found
 
     def alloc(self, size: int, timeout: float | None = None) -> int:
-        """Pool offset of ``size`` fresh bytes (`tract.alloc.Allocator.alloc`)."""
+        """Pool offset of ``size`` fresh bytes (`tract.alloc.Allocator.alloc`);
+        `LeaseLost` when this node's lease is not held (its slabs may be
+        another's already)."""
+        self.self_fence("an allocation")
         return self.allocator.alloc(size, timeout)
 
     def alloc_many(self, size: int, count: int, timeout: float | None = None) -> list[int]:
         """Offsets of ``count`` allocations of ``size`` bytes
-        (`tract.alloc.Allocator.alloc_many`)."""
+        (`tract.alloc.Allocator.alloc_many`); `LeaseLost` as `alloc`."""
+        self.self_fence("an allocation")
         return self.allocator.alloc_many(size, count, timeout)
 
     def free(self, offset: int, timeout: float | None = None) -> None:
-        """Give back what `alloc` returned, from any node."""
+        """Give back what `alloc` returned, from any node; `LeaseLost`
+        when this node's lease lapsed: what it allocated before may be
+        another's allocation now (R6), and is not freed from here."""
+        self.self_fence("a free")
         self.allocator.free(offset, timeout)
 
     def _start(self, target, name: str) -> None:
@@ -476,7 +568,9 @@ class Pool:
         return fast
 
     def _beat(self) -> None:
-        """Beat every quarter lease; sweep each cohort lock: give back the
+        """Every quarter lease: beat (unless the native `Heartbeat` does,
+        every eighth), publish the counters, drain the free rings, and
+        sweep each cohort lock: give back the
         tier-2 hold of a local process that died holding tier 1 (when no
         other local process takes that lock again, nothing else would), and a
         hand-off that no local process took for a whole beat (its waiter
@@ -485,7 +579,8 @@ class Pool:
         cohorting = self._local is not None and self.header.lock_mode_name == "manager"
         seen: dict[int, tuple[int, int, int]] = {}
         while not self._stop.wait(self.header.lease_timeout / 4):
-            nodes.beat(self.node)
+            if self._heartbeat is None:
+                nodes.beat(self.node)
             self.stats.publish()
             try:
                 self.allocator.drain()
@@ -556,6 +651,9 @@ class Pool:
         self.nodes.leave(self.node)
 
     def _stop_threads(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+            self._heartbeat = None
         self._stop.set()
         for thread in self._threads:
             thread.join()
@@ -580,6 +678,7 @@ class Pool:
             self._fast_paths.clear()
             self.allocator.heap = None
             if self._local is not None:
+                self.own.detach()
                 self._local.close()
             self.region.close()
 
@@ -634,9 +733,10 @@ class NodeLocal:
     @staticmethod
     def shape(header: Header) -> tuple[int, int, int]:
         """(members offset, heap offset, file size): one slot per lock, one
-        for the manager and one for the free rings' turn (`RingTurn`), the
-        member pids, the slab heap."""
-        members = _round_up((header.max_locks + 2) * SLOT_BYTES, 4096)
+        for the manager, one for the free rings' turn (`RingTurn`) and one
+        for the node's lease (`tract.lease.OwnLease`), the member pids, the
+        slab heap."""
+        members = _round_up((header.max_locks + 3) * SLOT_BYTES, 4096)
         heap = members + MEMBERS * 8
         return members, heap, heap + heap_bytes(header.nchunks, header.chunk_size,
                                                 SLAB_MIN_BLOCK)
@@ -702,6 +802,10 @@ class NodeLocal:
 
     def mutex(self, index: int) -> LocalMutex:
         return LocalMutex(self.region, index * SLOT_BYTES)
+
+    def lease_words(self) -> np.ndarray:
+        """The node's `tract.lease.OwnLease` words (the slot after the rings')."""
+        return self.region.view((self.max_locks + 2) * SLOT_BYTES, 8 * LEASE_WORDS).view(np.uint64)
 
     def rings(self) -> RingTurn:
         """The node's turn at its free rings (the slot after the manager's)."""

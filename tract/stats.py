@@ -53,6 +53,9 @@ COUNTERS = {
     "tier_failures": "cluster-tier calls that failed, timed out or were skipped (misses)",
     "tier_corrupt": "cluster-tier blocks found torn, misfiled or altered (misses)",
     "tier_demotions": "blocks the rack evicted and put into the cluster tier (write-back)",
+    "fenced": "connector operations that wrote (or trusted) nothing: this node's own lease "
+              "had lapsed (R6)",
+    "rejoins": "times this node rejoined as a new incarnation after its lease lapsed",
 }
 STATS_BYTES = 4 * LINE
 assert len(COUNTERS) * 8 <= STATS_BYTES

@@ -302,3 +302,186 @@ cdef class ManagerFastPath:
         """(held, waiters, passes) as this node sees them (for tests and `tract pool info`)."""
         cdef uint64_t *slot = self._slot()
         return slot[HELD_WORD], tract_load_u64(&slot[WAITERS_WORD]), slot[PASSES_WORD]
+
+
+# ------------------------------------------------------------ self-fencing
+
+from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
+
+cdef enum:  # `tract.lease`: the verdicts of `OwnLease.state`, the words of its lease
+    LEASE_HELD = 0
+    LEASE_LATE = 1
+    LEASE_LAPSED = 2
+    LEASE_REJOINED = 3
+    BEATEN_WORD = 0
+    CURRENT_WORD = 1
+    LATE_WORD = 2
+
+HELD, LATE, LAPSED, REJOINED = LEASE_HELD, LEASE_LATE, LEASE_LAPSED, LEASE_REJOINED
+
+
+cdef inline int _lease_state(const volatile uint64_t *words, int64_t now, int64_t limit,
+                             uint64_t epoch) noexcept nogil:
+    if words[CURRENT_WORD] != epoch:
+        return LEASE_REJOINED
+    if words[LATE_WORD]:
+        return LEASE_LAPSED
+    if now - <int64_t>words[BEATEN_WORD] > limit:
+        return LEASE_LATE
+    return LEASE_HELD
+
+
+def lease_state(uint64_t address, int64_t now_ns, int64_t limit_ns, uint64_t epoch):
+    """`tract.lease.OwnLease.state` of the lease words at ``address`` (this
+    host's memory: a node-local file or a process's own), at ``now_ns`` of
+    the monotonic clock, read here when negative (the clock `time.monotonic`
+    reads)."""
+    cdef timespec ts
+    if now_ns < 0:
+        clock_gettime(CLOCK_MONOTONIC, &ts)
+        now_ns = ts.tv_sec * 1000000000 + ts.tv_nsec
+    return _lease_state(<const volatile uint64_t *>address, now_ns, limit_ns, epoch)
+
+
+
+cdef extern from "pthread.h" nogil:
+    ctypedef unsigned long pthread_t
+    int pthread_create(pthread_t *thread, const void *attr, void *(*start)(void *) noexcept nogil,
+                       void *arg)
+    int pthread_join(pthread_t thread, void **retval)
+
+cdef extern from "time.h" nogil:
+    int nanosleep(const timespec *request, timespec *remaining)
+
+cdef enum:
+    SLICE_NS = 5000000  # the beating thread looks at its stop flag this often
+
+
+cdef inline int64_t _monotonic_ns() noexcept nogil:
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    return ts.tv_sec * 1000000000 + ts.tv_nsec
+
+
+cdef int _beat_step(char *line, volatile uint64_t *words, int64_t now, int64_t limit,
+                    int insn) noexcept nogil:
+    """`tract.lease.OwnLease.beat` with `tract.lease.NodeTable.beat`: 1 when
+    it beat; a beat more than ``limit`` after the last good one marks the
+    node lapsed and writes nothing."""
+    cdef volatile uint64_t *heartbeat = <volatile uint64_t *>line
+    if words[LATE_WORD]:
+        return 0
+    if now - <int64_t>words[BEATEN_WORD] > limit:
+        words[LATE_WORD] = 1
+        return 0
+    heartbeat[0] = heartbeat[0] + 1
+    tract_lines(insn, line, LINE)
+    tract_fence()
+    if now > <int64_t>words[BEATEN_WORD]:
+        words[BEATEN_WORD] = now
+    return 1
+
+
+def beat_once(Region pool, int64_t line, uint64_t words, int64_t now_ns, int64_t limit_ns):
+    """One `_beat_step` of the heartbeat line at ``line`` with the lease
+    words at ``words`` (the twin of `tract.lease.OwnLease.beat`); whether
+    it beat."""
+    pool._check_aligned(line, LINE)
+    pool._check(line, LINE)
+    return bool(_beat_step(pool._base + line, <volatile uint64_t *>words, now_ns, limit_ns,
+                           pool._flush_insn))
+
+
+ctypedef struct Beating:
+    char *line
+    volatile uint64_t *words
+    int64_t period
+    int64_t limit
+    int insn
+    int stop
+    uint64_t beats
+
+
+cdef extern from *:
+    """
+    static inline int tract_stop_requested(const int *flag)
+    { return __atomic_load_n(flag, __ATOMIC_ACQUIRE); }
+    static inline void tract_request_stop(int *flag)
+    { __atomic_store_n(flag, 1, __ATOMIC_RELEASE); }
+    """
+    int tract_stop_requested(const int *flag) noexcept nogil
+    void tract_request_stop(int *flag) noexcept nogil
+
+
+cdef void *_beating(void *argument) noexcept nogil:
+    cdef Beating *state = <Beating *>argument
+    cdef timespec pause
+    cdef int64_t due = _monotonic_ns() + state.period, now
+    while not tract_stop_requested(&state.stop):
+        now = _monotonic_ns()
+        if now >= due:
+            state.beats += _beat_step(state.line, state.words, now, state.limit, state.insn)
+            due = now + state.period
+            continue
+        pause.tv_sec = 0
+        pause.tv_nsec = min(due - now, <int64_t>SLICE_NS)
+        nanosleep(&pause, NULL)
+    return NULL
+
+
+cdef class Heartbeat:
+    """A native thread that beats a node's heartbeat line every ``period``
+    seconds through its lease words (`_beat_step`, the twin of
+    `tract.lease.OwnLease.beat`), without the GIL: a Python pause (a long
+    kernel, a collection) does not make the node look stale, while a stall
+    of the whole process (SIGSTOP, memory pressure) stops it too, and its
+    next beat comes late, so the node lapses (R6).  Stop it before either
+    mapping closes."""
+
+    cdef Region pool
+    cdef object words_owner
+    cdef Beating state
+    cdef pthread_t thread
+    cdef bint running
+
+    def __cinit__(self, Region pool, int64_t line, words, double period, double limit):
+        pool._check_aligned(line, LINE)
+        pool._check(line, LINE)
+        if not 0 < period < limit:
+            raise ValueError(f"heartbeat period {period} s must be positive and under the "
+                             f"limit {limit} s")
+        self.pool, self.words_owner = pool, words
+        self.state.line = pool._base + line
+        self.state.words = <volatile uint64_t *><uint64_t>words.ctypes.data
+        self.state.period = <int64_t>(period * 1e9)
+        self.state.limit = <int64_t>(limit * 1e9)
+        self.state.insn = pool._flush_insn
+        self.state.stop = 0
+        self.state.beats = 0
+        self.running = False
+
+    def start(self):
+        if self.running:
+            return
+        if pthread_create(&self.thread, NULL, _beating, &self.state):
+            raise OSError("pthread_create failed for the heartbeat thread")
+        self.running = True
+
+    def stop(self):
+        """Stop and join the thread (within a few milliseconds)."""
+        if not self.running:
+            return
+        tract_request_stop(&self.state.stop)
+        with nogil:
+            pthread_join(self.thread, NULL)
+        self.running = False
+
+    @property
+    def beats(self):
+        """Beats written so far."""
+        return self.state.beats
+
+    def __dealloc__(self):
+        if self.running:
+            tract_request_stop(&self.state.stop)
+            pthread_join(self.thread, NULL)

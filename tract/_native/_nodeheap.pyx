@@ -158,14 +158,20 @@ cdef class NodeHeap:
     # --------------------------------------------------------------- API
 
     def format(self, uint64_t epoch):
-        """Empty the heap for node incarnation ``epoch`` (under the caller's flock)."""
+        """Empty the heap for node incarnation ``epoch`` (under the caller's
+        flock, and the heap's mutex: a node that rejoins formats it while
+        its other processes and threads may be at it)."""
         cdef char *base = self._base()
-        memset(base + HEADER, 0, heap_bytes(self.nchunks, self.chunk_size, self.min_block)
-               - HEADER)
         cdef uint64_t *header = <uint64_t *>(base + HEADER)
-        header[1], header[2], header[3], header[4], header[5] = \
-            self.nchunks, self.chunk_size, self.min_block, self.nclasses, epoch
-        header[0] = HEAP_MAGIC
+        self._lock(base)
+        try:
+            memset(base + HEADER, 0, heap_bytes(self.nchunks, self.chunk_size, self.min_block)
+                   - HEADER)
+            header[1], header[2], header[3], header[4], header[5] = \
+                self.nchunks, self.chunk_size, self.min_block, self.nclasses, epoch
+            header[0] = HEAP_MAGIC
+        finally:
+            self._unlock()
 
     @property
     def epoch(self):

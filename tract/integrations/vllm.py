@@ -156,7 +156,7 @@ log = logging.getLogger(__name__)
 #: the connector counts reported per step (`Connector.stats` keys)
 STAT_NAMES = ("lookups", "hit_blocks", "miss_blocks", "stored_blocks", "not_stored",
               "read_bytes", "written_bytes", "checksum_failures", "tier_hit_blocks",
-              "tier_promotions", "tier_failures")
+              "tier_promotions", "tier_failures", "fenced", "rejoins")
 #: the asynchronous jobs' times reported per step (seconds, from submission to the end)
 LATENCY_NAMES = ("load_seconds", "save_seconds")
 #: vLLM's base classes across versions: SupportsHMA (0.32 and later) and the
@@ -308,6 +308,8 @@ STAT_HELP = {
     "tier_hit_blocks": "rack misses loaded from the cluster tier",
     "tier_promotions": "cluster-tier hits stored into the rack's pool",
     "tier_failures": "cluster-tier calls that failed, timed out or were skipped (misses)",
+    "fenced": "calls that wrote or trusted nothing: this worker's node had lapsed (a stall)",
+    "rejoins": "times this worker's node rejoined the pool after its lease lapsed",
 }
 #: histogram buckets of a load's or save's time, in seconds
 LATENCY_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25,

@@ -1,8 +1,11 @@
-"""Named kill points, and a kill -9 campaign over them.
+"""Named fail points, and the kill -9 and stall campaigns over them.
 
 A process dies by SIGKILL at a chosen point of a protocol, as a crashing
-host would, so tests can prove that the rest of the rack survives it (R6:
-every claim it held is a lease).
+host would, or stops there (SIGSTOP) for up to four leases and goes on, as
+a host under a long pause would, so tests can prove that the rest of the
+rack survives it (R6: every claim it held is a lease) and that a process
+stalled past its lease writes nothing under its lapsed claims (it fences
+itself, `tract.lease.OwnLease`, and rejoins as a new incarnation).
 
 The points themselves are `tract._failpoints`'s (the protocol modules
 call them; that module imports only the standard library), re-exported
@@ -29,8 +32,8 @@ Points (`POINTS`):
     `Connector.offer`: blocks pinned, no handoff record yet / an offer's
     pins dropped, its record not yet queued for freeing.
 
-The campaign (`campaign`; ``python -m tract.testing.faults --points N
---seed S [--json]``) runs worker processes on several node ids over one
+The kill campaign (`campaign`; ``python -m tract.testing.faults --points N
+--seed S [--stall] [--lease L] [--json]``) runs worker processes on several node ids over one
 pool (manager locks, every worker a standby manager).  Each runs a mixed
 workload (store, lookup and load, P/D offer and take, raw alloc and free,
 eviction) on self-describing payloads, armed with a random point; it dies
@@ -45,6 +48,13 @@ checks:
 - after each round, with every worker stopped and the leases lapsed,
   ``fsck --repair`` leaves a pool that checks clean: every chunk free,
   owned by a live node or referenced (none leaked).
+
+The stall campaign (`stall_campaign`; ``--stall``) runs the same workers,
+each armed to stop itself at a random point; the campaign resumes it after
+a random time up to four leases, and it arms another point.  The same
+checks hold (a worker gives up the raw allocations of an incarnation that
+lapsed: they were reclaimable), and progress is judged after each stall
+begins (every other worker) and after each resume (the stalled one).
 
 Exit status 1 on any violation.
 """
@@ -62,9 +72,10 @@ import time
 import traceback
 import uuid
 
+from tract import _failpoints
 from tract._failpoints import POINTS, arm, point
 
-__all__ = ["POINTS", "arm", "campaign", "point", "recovery_bound", "soak"]
+__all__ = ["POINTS", "arm", "campaign", "point", "recovery_bound", "soak", "stall_campaign"]
 
 # ---------------------------------------------------------------- campaign
 
@@ -143,21 +154,34 @@ CONNECTOR_COUNTS = ("lookups", "hit_blocks", "miss_blocks", "stored_blocks", "wr
 
 
 def _worker(path, node, seed, point_name, after, stop, progress, failures, tickets,
-            lease, tallies=None) -> None:
+            lease, tallies=None, stops=None) -> None:
     """One worker process: the mixed workload until ``stop``, or death at
     its armed point; a violation goes to ``failures``, and with ``tallies``
-    its connector's counts at the end."""
+    its connector's counts at the end.  With ``stops`` (the stall
+    campaign), it stops (SIGSTOP) at its armed point instead, having put
+    the point's number there, and arms another once resumed."""
     import numpy as np
 
     from tract.connector import Connector
     from tract.errors import LeaseLost, PoolFull
     from tract.pool import Pool
 
-    arm(point_name, after)
+    rng = random.Random(seed)
+    if stops is None:
+        arm(point_name, after)
+    else:
+        def stopping(name):
+            stops[node] = POINTS.index(name) + 1
+
+        def resumed(name):
+            if not stop.is_set():  # none after the round's end: it would wait for a resume
+                arm(rng.choice(POINTS), rng.randint(1, 3), "stop")
+        _failpoints.on_stop, _failpoints.on_resume = stopping, resumed
+        arm(point_name, after, "stop")
     # a survivor the campaign finds stalled is asked for its stacks (SIGUSR1)
     stacks = open(_stack_file(path, node), "w")
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
-    rng = random.Random(seed)
+    faulthandler.enable(file=stacks, all_threads=True)  # and a crash's
     layout = _layout()
     size = layout.block_bytes
     prompts = FAMILIES * 4
@@ -191,8 +215,11 @@ def _worker(path, node, seed, point_name, after, stop, progress, failures, ticke
         with Pool.open(path, node, manager=True) as pool:
             region = pool.region
             connector = Connector(pool, layout, handoff_ttl=8 * lease, timeout=40 * lease)
-            held, serial = [], 0
+            held, serial, epoch = [], 0, pool.epoch
             while not stop.is_set():
+                pool.renew()  # a stall past its lease: a new incarnation first
+                if pool.epoch != epoch:  # its raw allocations went with the last (R6)
+                    held, epoch = [], pool.epoch
                 prompt = rng.randrange(prompts)
                 tokens = _tokens(prompt)
                 out = [np.zeros(size, np.uint8) for _ in range(PROMPT_BLOCKS)]
@@ -229,9 +256,10 @@ def _worker(path, node, seed, point_name, after, stop, progress, failures, ticke
                     if held:
                         release(held.pop())
                 except LeaseLost:
-                    pass  # fenced (R6): judged stale, this node's grant was revoked; nothing published
+                    pass  # fenced (R6): its grant or its own lease lapsed; nothing published
                 progress[node] += 1
-            for allocation in held:
+            pool.renew()
+            for allocation in (held if pool.epoch == epoch else []):
                 release(allocation)
             connector.close()
             if tallies is not None:
@@ -426,6 +454,153 @@ def campaign(points: int, seed: int = 0, workers: int = 3, lease: float = 0.4,
             "operations": operations, "kills_by_point": by_point, "seed": seed}
 
 
+def _stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (SIGSTOP), from /proc."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rpartition(")")[2].split()[0] in ("T", "t")
+    except OSError:
+        return False
+
+
+def stall_campaign(points: int, seed: int = 0, workers: int = 3, lease: float = 0.4,
+                   stalls_per_round: int = 50, progress_bar: bool = False) -> dict:
+    """Stall workers ``points`` times: each stops itself (SIGSTOP) at a
+    random armed point and is resumed (SIGCONT) after a random time up to
+    4 leases, then arms another point.  The checks are the kill
+    campaign's: no foreign, torn or stale block served (workers compare
+    every block they get), no allocation held twice (a raw allocation's
+    mark is checked when it is freed; allocations of an incarnation that
+    lapsed are given up, R6), fsck clean after repair at the end of each
+    round, and progress: after each stall begins, every other worker that
+    is not stopped itself completes an operation within `recovery_bound`,
+    and so does the stalled worker once resumed.  Returns ``{"points",
+    "violations", "recovered_s_max", "stalled_s_max", ...}``."""
+    import multiprocessing
+
+    from tract.fsck import fsck
+    from tract.pool import Pool
+
+    if points < 1 or workers < 2:
+        raise ValueError(f"a campaign needs at least 1 stall point and 2 workers, got "
+                         f"points={points}, workers={workers}")
+    rng = random.Random(seed)
+    context = multiprocessing.get_context("fork")
+    path = os.path.join("/dev/shm", f"tract-stalls-{os.getpid()}-{uuid.uuid4().hex[:6]}")
+    Pool.create(path, 24 << 20, chunk_size=256 << 10, max_nodes=workers + 1,
+                index_capacity=512, lock_mode="manager", lease_timeout=lease)
+    violations, recoveries, by_point = [], [], dict.fromkeys(POINTS, 0)
+    rounds = operations = stalled_points = 0
+    longest = 0.0
+    bound = recovery_bound(lease)
+    try:
+        _warm_up(path)
+        time.sleep(1.5 * lease)
+        progress = context.Array("q", workers + 1, lock=False)
+        stops = context.Array("q", workers + 1, lock=False)
+        failures, tickets = context.Queue(), TicketBoard(context, workers + 1)
+        stuck = False
+        while stalled_points < points and not stuck:
+            rounds += 1
+            stop = context.Event()
+            running = {}
+            for node in range(1, workers + 1):
+                process = _start(context, (path, node, rng.getrandbits(32), rng.choice(POINTS),
+                                           rng.randint(1, 3), stop, progress, failures,
+                                           tickets, lease, None, stops))
+                running[node] = (process, "stall", time.monotonic())
+            paused: dict[int, tuple[float, float, str]] = {}  # node -> (since, until, point)
+            # (began, node whose progress is awaited -> its count then, the stall's node)
+            awaited: list[tuple[float, dict[int, int], int]] = []
+            in_round, started = 0, time.monotonic()
+            while (in_round < stalls_per_round and stalled_points < points) or paused:
+                time.sleep(0.003)
+                now = time.monotonic()
+                for node, (process, _, _) in running.items():
+                    if process.exitcode is not None:
+                        violations.append(f"worker on node {node} exited with "
+                                          f"{process.exitcode}")
+                        stuck = True
+                    elif node not in paused and _stopped(process.pid) and stops[node]:
+                        point_name = POINTS[stops[node] - 1]
+                        length = rng.uniform(0, 4 * lease)
+                        paused[node] = (now, now + length, point_name)
+                        awaited.append((now, {other: progress[other] for other in running
+                                              if other != node}, node))
+                    elif node in paused and now >= paused[node][1]:
+                        since, _, point_name = paused.pop(node)
+                        stops[node] = 0
+                        os.kill(process.pid, signal.SIGCONT)
+                        stalled_points += 1
+                        in_round += 1
+                        by_point[point_name] += 1
+                        longest = max(longest, now - since)
+                        awaited.append((now, {node: progress[node]}, node))
+                        if progress_bar:
+                            print(f"\rstall points: {stalled_points}/{points}", end="",
+                                  file=sys.stderr)
+                for entry in list(awaited):
+                    began, waiting, stalled = entry
+                    for other in list(waiting):
+                        if progress[other] > waiting[other] or other in paused:
+                            del waiting[other]  # a stopped worker is judged on its own resume
+                    if not waiting:
+                        awaited.remove(entry)
+                        recoveries.append(now - began)
+                    elif now - began > bound:
+                        awaited.remove(entry)
+                        late = sorted(waiting)
+                        seen = _stalled(path, late, running, progress)
+                        violations.append(f"stall on node {stalled}: workers {late} made no "
+                                          f"progress in {bound:.2f} s; what they do:\n{seen}")
+                        stuck = True
+                if stuck or now - started > 120 + 60 * lease:
+                    if not stuck:
+                        violations.append(f"round {rounds} made {in_round} stalls in "
+                                          f"{now - started:.0f} s: stalled")
+                    stuck = True
+                    break
+            stop.set()
+            for process, _, _ in running.values():
+                try:
+                    os.kill(process.pid, signal.SIGCONT)
+                except OSError:
+                    pass
+            for node, (process, _, _) in running.items():
+                asked = time.monotonic()
+                while process.exitcode is None and time.monotonic() - asked < 10 * bound:
+                    if _stopped(process.pid):  # at a point armed before the round's end
+                        os.kill(process.pid, signal.SIGCONT)
+                    process.join(0.05)
+                if process.exitcode is None:
+                    violations.append(f"worker on node {node} did not stop within "
+                                      f"{10 * bound:.0f} s of being asked")
+                    process.kill()
+                    process.join()
+                elif process.exitcode != 0:
+                    violations.append(f"worker on node {node} exited with {process.exitcode}")
+            while not failures.empty():
+                violations.append(failures.get())
+            time.sleep(1.5 * lease)
+            fsck(path, repair=True, node=0, watch=False)
+            after = fsck(path, watch=False)
+            if not after["ok"]:
+                violations.append(f"round {rounds}: fsck after repair: "
+                                  f"{after['problems'][:2]}")
+            operations = sum(progress)
+            time.sleep(1.5 * lease)
+        if progress_bar:
+            print(file=sys.stderr)
+    finally:
+        _destroy(path, workers)
+    return {"points": stalled_points, "violations": violations,
+            "recovered_s_max": max(recoveries, default=0.0),
+            "recovered_s_median": sorted(recoveries)[len(recoveries) // 2] if recoveries else 0.0,
+            "stalled_s_max": longest, "recovery_bound_s": bound, "lease_timeout_s": lease,
+            "rounds": rounds, "operations": operations, "stalls_by_point": by_point,
+            "seed": seed}
+
+
 def soak(seconds: float, seed: int = 0, workers: int = 3, lease: float = 0.4) -> dict:
     """The campaign's workload without kills for ``seconds``: payloads
     checked on every load and take, every raw allocation checked for a
@@ -511,10 +686,14 @@ def _await_progress(progress, survivors: dict[int, int], running, died: float,
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tract.testing.faults",
-                                     description="kill -9 fault-injection campaign")
+                                     description="kill -9 and stall fault-injection campaigns")
     mode = parser.add_mutually_exclusive_group(required=True)
-    mode.add_argument("--points", type=int, help="kill points to survive")
+    mode.add_argument("--points", type=int, help="kill (or, with --stall, stall) points to "
+                                                 "survive")
     mode.add_argument("--minutes", type=float, help="soak instead: no kills, for this long")
+    parser.add_argument("--stall", action="store_true",
+                        help="stall workers (SIGSTOP up to 4 leases, then SIGCONT) instead of "
+                             "killing them")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workers", type=int, default=3, help="worker processes (nodes)")
     parser.add_argument("--lease", type=float, default=0.4, help="lease timeout, seconds")
@@ -524,6 +703,14 @@ def main(argv: list[str] | None = None) -> int:
         report = soak(args.minutes * 60, args.seed, args.workers, args.lease)
         summary = (f"soak: {report['operations']} operations in {report['seconds']:.0f} s on "
                    f"{report['workers']} nodes")
+    elif args.stall:
+        report = stall_campaign(args.points, args.seed, args.workers, args.lease,
+                                progress_bar=not args.json)
+        summary = (f"stall points survived: {report['points']} in {report['rounds']} rounds "
+                   f"({report['operations']} operations; longest stall "
+                   f"{report['stalled_s_max']:.3f} s); worst recovery "
+                   f"{report['recovered_s_max']:.3f} s (bound {report['recovery_bound_s']:.2f} s, "
+                   f"lease {report['lease_timeout_s']} s)")
     else:
         report = campaign(args.points, args.seed, args.workers, args.lease,
                           progress_bar=not args.json)

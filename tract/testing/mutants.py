@@ -2,7 +2,9 @@
 turn and check that the module's simulated tests notice.
 
 A *site* is one call of ``flush``, ``invalidate``, ``writeback``, ``fence``,
-``store_fence`` or ``load_fence`` in the module's source.  A mutant is the
+``store_fence`` or ``load_fence`` in the module's source, or of
+``self_fence``: the check of a process's own lease before a write that
+depends on a claim (R6; `tract.pool.Pool.self_fence`).  A mutant is the
 module with one site removed (the statement becomes ``pass``).  Each mutant
 runs the module's simulated tests (pytest marker ``sim``) in a fresh
 interpreter that imports the package from a copy holding the mutated
@@ -79,7 +81,7 @@ __all__ = ["NATIVE_SUITES", "SUITES", "SYNC_CALLS", "Site", "mutate", "native_mu
            "native_sites", "run_mutant", "sites"]
 
 SYNC_CALLS = ("flush", "invalidate", "writeback", "fence", "store_fence", "load_fence",
-              "flush_lines", "invalidate_lines")
+              "flush_lines", "invalidate_lines", "self_fence")
 
 # protocol module -> its simulated test files, relative to the repository root
 SUITES: dict[str, list[str]] = {
