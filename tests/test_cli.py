@@ -116,6 +116,25 @@ def test_bench_region_json_schema():
     assert "store_flush_fence[clflush]" in names and "flush_dirty_line[clflush]" in names
 
 
+@pytest.mark.multiprocess
+def test_bench_churn_reports_each_operation_alone_and_under_churn():
+    """Each timed operation's p50, p99 and p99.9, alone and under churn,
+    against its p50 alone (same run), and how many were timed."""
+    done = _tract("bench", "churn", "--json", "--quick")
+    assert done.returncode == 0, done.stderr
+    results = {result["name"]: result for result in json.loads(done.stdout)["results"]}
+    for op in ("store", "load", "take"):
+        alone = results[f"churn[{op}] alone p50"]
+        assert alone["ratio"] == pytest.approx(1.0)
+        for phase in ("alone", "churn"):
+            figures = [results[f"churn[{op}] {phase} {label}"] for label in ("p50", "p99", "p99.9")]
+            assert 0 < figures[0]["value"] <= figures[1]["value"] <= figures[2]["value"]
+            assert all(figure["baseline_value"] == alone["value"] for figure in figures)
+        assert results[f"churn[{op}] samples"]["value"] > 0
+    assert {f"churn lock waits[{role}]" for role in ("writer", "evictor", "producer")} \
+        <= set(results)
+
+
 def test_result_ratio_orientation():
     rate = bench.Result("r", 20.0, "GB/s", True, "base", 10.0)
     cost = bench.Result("c", 20.0, "ns", False, "base", 10.0)

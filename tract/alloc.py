@@ -459,7 +459,13 @@ class Allocator:
             count = -1 if self.fast is None or lock.fast is None or owner is not None else \
                 self.fast.free(first, kind, lock.fast)
             if count < 0:
-                count = self._extent(first, kind, owner)
+                try:
+                    count = self._extent(first, kind, owner)
+                except ValueError:
+                    # read under a grant lost meanwhile (this node stalled past its
+                    # lease, and its extent was reclaimed): `LeaseLost`, not misuse
+                    lock.check()
+                    raise
                 lock.check()
                 self._release(first, count)
         finally:

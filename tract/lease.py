@@ -7,7 +7,10 @@ state read from the pool is range-checked; R6 — every claim is a lease: a
 node whose heartbeat has not changed for ``lease_timeout`` seconds of the
 *observer's* clock is stale, and loses whatever it held.  No clock is shared
 between hosts: only the observer's own clock measures how long a heartbeat
-has stood still.
+has stood still.  The other half of R6 is self-fencing (`OwnLease`): a
+process whose own node's last good beat is more than half a lease old, on
+its own clock, writes nothing that depends on a claim, and a beat that
+comes that late is no beat.
 
 Node line (64 bytes): heartbeat u64, epoch u64, state u64, pid u64.
 The epoch counts the node's incarnations: it is bumped when a node joins

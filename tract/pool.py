@@ -18,15 +18,19 @@ header that disagrees):
              heap        chunk-aligned; ``nchunks`` chunks of ``chunk_size``
 
 Node-local state (tier-1 mutexes, cohort words, the free rings' turn, the
-node's live processes and its slab heap) lives in one file per node in
-/dev/shm (`NodeLocal`), never in the pool.
+node's own lease, its live processes and its slab heap) lives in one file
+per node in /dev/shm (`NodeLocal`), never in the pool.
 
 Rules relied on (DESIGN.md): R1 — areas are named by offset; R3 — the
 header is written, flushed and fenced before anyone can open the pool (magic
 last); R5 — every field read from the header is range-checked at open, and a
 foreign magic, another layout version or areas that overlap or leave the
 pool are refused with what was expected and what was found; R6 — every
-process beats its node's heartbeat from a daemon thread.
+process beats its node's heartbeat from a native thread (`Heartbeat`,
+without the GIL), and fences itself: before each write that depends on a
+claim it checks its node's own lease (`self_fence`, `tract.lease.OwnLease`),
+and a node whose lease lapsed rejoins as a new incarnation (`renew`)
+before it does anything else.
 """
 
 from __future__ import annotations
@@ -38,14 +42,14 @@ import threading
 import time
 import uuid
 
+import numpy as np
+
 from tract import platform
 from tract._native._localmutex import LocalMutex
 from tract._native._lockfast import Heartbeat, ManagerFastPath
 from tract._native._nodeheap import NodeHeap, heap_bytes
 from tract.alloc import OFFSET_BITS, AllocLayout, Allocator, RingTurn, pid_alive
 from tract.errors import ConfigError, CorruptionError, TractError
-import numpy as np
-
 from tract.lease import ALIVE, BEATEN, CURRENT, HELD, LEASE_WORDS, Clock, NodeTable, OwnLease
 from tract.lines import LINE
 from tract.lock import (COHORT_PASSES, LOCK_MODES, SLOT_BYTES, Lock, LockLayout, LockManager,

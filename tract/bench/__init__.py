@@ -25,6 +25,7 @@ __all__ = ["BENCHMARKS", "Result", "machine", "median_time", "paired", "run"]
 # name -> module that defines run(quick) (under tract.bench; the simulator's, under tract.testing)
 BENCHMARKS = {
     "alloc": "tract.bench.alloc",
+    "churn": "tract.bench.churn",
     "hash": "tract.bench.hash",
     "index": "tract.bench.index",
     "incoherent": "tract.testing.bench_incoherent",  # the simulator's own
