@@ -530,6 +530,7 @@ class Connector:
     def cancel(self, request_id: str) -> None:
         """Prefill side: withdraw an offer (the request was aborted): its
         record no longer reads as an offer, and its pins go."""
+        self._renew()  # a lapsed incarnation's records may be another's memory now
         offer = self.offers.pop(request_id, None)
         if offer is None:
             return

@@ -260,7 +260,10 @@ def _worker(path, node, seed, point_name, after, stop, progress, failures, ticke
                 progress[node] += 1
             pool.renew()
             for allocation in (held if pool.epoch == epoch else []):
-                release(allocation)
+                try:
+                    release(allocation)
+                except LeaseLost:  # lapsed meanwhile: the rest went with the incarnation
+                    break
             connector.close()
             if tallies is not None:
                 tallies.put((node, {name: connector.stats[name] for name in CONNECTOR_COUNTS}))
