@@ -317,6 +317,17 @@ def _stalled(path: str, nodes, running, progress) -> str:
     return "\n".join(found)
 
 
+def _campaign_pool(kind: str, workers: int, lease: float) -> str:
+    """A fresh pool in /dev/shm for a campaign's ``workers`` (and node 0);
+    its path."""
+    from tract.pool import Pool
+
+    path = os.path.join("/dev/shm", f"tract-{kind}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
+    Pool.create(path, 24 << 20, chunk_size=256 << 10, max_nodes=workers + 1,
+                index_capacity=512, lock_mode="manager", lease_timeout=lease)
+    return path
+
+
 def _start(context, args):
     process = context.Process(target=_worker, args=args, daemon=True)
     process.start()
@@ -352,16 +363,13 @@ def campaign(points: int, seed: int = 0, workers: int = 3, lease: float = 0.4,
     import multiprocessing
 
     from tract.fsck import fsck
-    from tract.pool import Pool
 
     if points < 1 or workers < 2:
         raise ValueError(f"a campaign needs at least 1 kill point and 2 workers, got "
                          f"points={points}, workers={workers}")
     rng = random.Random(seed)
     context = multiprocessing.get_context("fork")
-    path = os.path.join("/dev/shm", f"tract-faults-{os.getpid()}-{uuid.uuid4().hex[:6]}")
-    Pool.create(path, 24 << 20, chunk_size=256 << 10, max_nodes=workers + 1,
-                index_capacity=512, lock_mode="manager", lease_timeout=lease)
+    path = _campaign_pool("faults", workers, lease)
     violations, recoveries, by_point = [], [], dict.fromkeys(POINTS, 0)
     rounds = operations = 0
     bound = recovery_bound(lease)
@@ -439,7 +447,7 @@ def campaign(points: int, seed: int = 0, workers: int = 3, lease: float = 0.4,
             while not failures.empty():
                 violations.append(failures.get())
             time.sleep(1.5 * lease)  # every worker's lease lapses
-            repaired = fsck(path, repair=True, node=0, watch=False)
+            fsck(path, repair=True, node=0, watch=False)
             after = fsck(path, watch=False)
             if not after["ok"]:
                 violations.append(f"round {rounds}: fsck after repair: "
@@ -482,16 +490,13 @@ def stall_campaign(points: int, seed: int = 0, workers: int = 3, lease: float = 
     import multiprocessing
 
     from tract.fsck import fsck
-    from tract.pool import Pool
 
     if points < 1 or workers < 2:
         raise ValueError(f"a campaign needs at least 1 stall point and 2 workers, got "
                          f"points={points}, workers={workers}")
     rng = random.Random(seed)
     context = multiprocessing.get_context("fork")
-    path = os.path.join("/dev/shm", f"tract-stalls-{os.getpid()}-{uuid.uuid4().hex[:6]}")
-    Pool.create(path, 24 << 20, chunk_size=256 << 10, max_nodes=workers + 1,
-                index_capacity=512, lock_mode="manager", lease_timeout=lease)
+    path = _campaign_pool("stalls", workers, lease)
     violations, recoveries, by_point = [], [], dict.fromkeys(POINTS, 0)
     rounds = operations = stalled_points = 0
     longest = 0.0
@@ -616,9 +621,7 @@ def soak(seconds: float, seed: int = 0, workers: int = 3, lease: float = 0.4) ->
 
     rng = random.Random(seed)
     context = multiprocessing.get_context("fork")
-    path = os.path.join("/dev/shm", f"tract-soak-{os.getpid()}-{uuid.uuid4().hex[:6]}")
-    Pool.create(path, 24 << 20, chunk_size=256 << 10, max_nodes=workers + 1,
-                index_capacity=512, lock_mode="manager", lease_timeout=lease)
+    path = _campaign_pool("soak", workers, lease)
     violations = []
     try:
         _warm_up(path)
