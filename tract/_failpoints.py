@@ -4,7 +4,8 @@ library, so the protocol modules import nothing of `tract.testing`).
 
 A point is armed from the environment, read once at import
 (``TRACT_KILL_POINT=<name>``, ``TRACT_KILL_AFTER=<n>``: die the n-th time
-the point is reached, default 1), or in a process by `arm`, whose
+the point is reached, default 1; ``TRACT_KILL_ACTION=stop``: stop there
+instead), or in a process by `arm`, whose
 ``action`` is ``"kill"`` (SIGKILL: a crash) or ``"stop"`` (SIGSTOP: a
 stall, until another process sends SIGCONT; the point is disarmed first,
 `on_stop` is called before it and `on_resume` after).  Unarmed, `point` is
@@ -21,7 +22,7 @@ import signal
 __all__ = ["ACTIONS", "ARMED", "POINTS", "arm", "on_resume", "on_stop", "point"]
 
 POINTS = ("lock.acquired", "lock.release", "manager.grant", "alloc.locked", "free.locked",
-          "store.copied", "publish.locked", "evict.marked", "handoff.pinned",
+          "store.copied", "publish.locked", "evict.marked", "load.pinned", "handoff.pinned",
           "handoff.released")
 ACTIONS = ("kill", "stop")
 
@@ -32,7 +33,10 @@ if ARMED is not None and ARMED not in POINTS:
                      f"{', '.join(POINTS)}")
 if _AFTER < 1:
     raise ValueError(f"TRACT_KILL_AFTER must be at least 1, got {_AFTER}")
-_ACTION = "kill"
+_ACTION = os.environ.get("TRACT_KILL_ACTION", "kill")
+if _ACTION not in ACTIONS:
+    raise ValueError(f"TRACT_KILL_ACTION={_ACTION!r} is not an action; the actions are "
+                     f"{', '.join(ACTIONS)}")
 _reached = 0
 #: called with the point's name right before a stop, and right after the resume
 on_stop = None

@@ -325,6 +325,7 @@ class Connector:
         short = np.flatnonzero(hits.lengths != self.layout.block_bytes)
         if short.size:  # another layout under this namespace: a miss, never a wrong copy
             count = int(short[0])
+        faults.point("load.pinned")  # pinned, not yet copied
         good = self.transfer.load(hits.offsets[:count], blocks[:count], hits.checksums[:count])
         try:
             # this node's pins may have been ignored mid-copy (R6: a lapsed

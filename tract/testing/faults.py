@@ -11,7 +11,8 @@ The points themselves are `tract._failpoints`'s (the protocol modules
 call them; that module imports only the standard library), re-exported
 here: armed from the environment, read once at import
 (``TRACT_KILL_POINT=<name>``, ``TRACT_KILL_AFTER=<n>``: die the n-th time
-the point is reached, default 1), or in a process by `arm`.  Unarmed,
+the point is reached, default 1; ``TRACT_KILL_ACTION=stop``: stop there,
+until SIGCONT), or in a process by `arm`.  Unarmed,
 `point` is one comparison.
 
 Points (`POINTS`):
@@ -28,6 +29,8 @@ Points (`POINTS`):
     under the index lock, the entries checked, READY not yet written;
 ``evict.marked``
     eviction: entries marked EVICTING (in memory), pins not yet read;
+``load.pinned``
+    `Connector.load`: its hits pinned, not yet copied into the engine;
 ``handoff.pinned`` / ``handoff.released``
     `Connector.offer`: blocks pinned, no handoff record yet / an offer's
     pins dropped, its record not yet queued for freeing.
