@@ -409,23 +409,25 @@ def test_misused_inputs_are_refused_by_name(pool):
 
 def test_store_each_says_which_blocks_the_pool_holds(pool_path):
     """A pool whose every entry is pinned stores nothing new and says so
-    block by block (blocks present already are held); once unpinned, the
-    same store evicts and holds them all."""
+    block by block (blocks present already are held, not written); once
+    unpinned, the same store evicts and holds them all."""
     Pool.create(pool_path, 8 << 20, chunk_size=1 << 16, max_nodes=4, index_capacity=8)
     with Pool.open(pool_path, 0, manager=True) as pool:
         connector = Connector(pool, LAYOUT)
         tokens = _tokens(20, 8)
-        published, kept = connector.store_each(tokens, _kv(tokens))
-        assert published == 8 and kept.tolist() == [True] * 8
+        published, kept, written = connector.store_each(tokens, _kv(tokens))
+        assert published == 8 and kept.tolist() == written.tolist() == [True] * 8
         hits = pool.index.pin(connector.keys(tokens))  # nothing left to evict
         assert len(hits) == 8
         more = np.concatenate([tokens[:2 * LAYOUT.block_size], _tokens(21, 3)])
-        published, kept = connector.store_each(more, _kv(more))
+        published, kept, written = connector.store_each(more, _kv(more))
         assert published == 0 and kept.tolist() == [True, True, False, False, False]
+        assert not written.any()
         assert connector.stats["not_stored"] == 3
         pool.index.unpin(hits)
-        published, kept = connector.store_each(more, _kv(more))
+        published, kept, written = connector.store_each(more, _kv(more))
         assert kept.all() and 3 <= published <= 5 and connector.stats["not_stored"] == 3
+        assert written.sum() == published and written[2:].all()  # the first two were present
         out = _empty(5)
         assert connector.load(more, out) == 5
         assert all((a == b).all() for a, b in zip(out, _kv(more)))

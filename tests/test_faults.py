@@ -89,6 +89,7 @@ def _campaign(points, seed, *options):
 def test_a_short_campaign_survives_every_kill():
     report = _campaign(60, seed=0)
     assert report["violations"] == [] and report["points"] == 60
+    assert report["history_events"] > 1000  # and its history checked (tract.testing.history)
     assert report["recovered_s_max"] <= report["recovery_bound_s"]
     assert sum(report["kills_by_point"].values()) == 60
     assert sum(1 for count in report["kills_by_point"].values() if count) >= 6
@@ -106,11 +107,23 @@ def test_a_thousand_kill_points_leave_no_violation():
 
 
 @pytest.mark.multiprocess
+def test_the_history_check_catches_stores_acknowledged_before_their_publish():
+    """The seeded broken variant: workers acknowledge each store before it
+    runs, so a store killed before its publish, or one the pool had no
+    room for, is acknowledged and never loadable."""
+    report = _campaign(30, 0, "--ack-before-publish")
+    lost = [v for v in report["violations"] if v.startswith("no silent loss")]
+    assert lost and len(lost) == len(report["violations"]), report["violations"][:2]
+    assert "store end" in lost[0] and "(the whole history: " in report["violations"][0]
+
+
+@pytest.mark.multiprocess
 def test_a_short_stall_campaign_survives_every_stall():
     """Workers stopped at named points for up to 4 leases (0.4 s), then
     resumed: those that lapsed fence themselves and rejoin."""
     report = _campaign(40, 0, "--stall")
     assert report["violations"] == [] and report["points"] >= 40
+    assert report["history_events"] > 1000
     assert report["recovered_s_max"] <= report["recovery_bound_s"]
     assert report["stalled_s_max"] > report["lease_timeout_s"]  # some stalls outlived the lease
     assert sum(1 for count in report["stalls_by_point"].values() if count) >= 5
@@ -135,5 +148,5 @@ def test_a_short_soak_keeps_every_invariant():
     report = json.loads(done.stdout)
     print(f"\nsoak: {json.dumps(report)}")
     assert report["violations"] == [] and done.returncode == 0
-    assert report["operations"] > 1000
+    assert report["operations"] > 1000 and report["history_events"] > report["operations"]
 

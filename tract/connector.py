@@ -99,12 +99,14 @@ class Offer:
 
 class Stored(typing.NamedTuple):
     """What `Connector.store_each` did: ``published`` blocks copied and
-    published now; ``kept[i]``: block ``i`` is in the pool after the call
-    (published now, present already, or being written by another writer),
-    false for a block not stored (counted in ``stats["not_stored"]``)."""
+    published now (``written[i]``: block ``i`` is one of them);
+    ``kept[i]``: block ``i`` is in the pool after the call (published now,
+    present already, or being written by another writer), false for a
+    block not stored (counted in ``stats["not_stored"]``)."""
 
     published: int
     kept: np.ndarray
+    written: np.ndarray
 
 
 @dataclasses.dataclass(frozen=True)
@@ -272,7 +274,8 @@ class Connector:
             for segments, host in zip(device[:run], views[:run]):
                 for flat, part in zip(segments, host):
                     flat.copy_(torch.from_numpy(part))
-        promoted = self._store(keys[:run], blocks[:run], np.zeros(run, np.bool_)) if run else 0
+        promoted = self._store(keys[:run], blocks[:run], np.zeros(run, np.bool_),
+                               np.zeros(run, np.bool_)) if run else 0
         self._count(tier_hit_blocks=run, tier_miss_blocks=len(blocks) - run,
                     tier_read_bytes=run * self.layout.block_bytes, tier_promotions=promoted)
         return run
@@ -368,21 +371,23 @@ class Connector:
                              f"key for every block")
         keys = keys[:len(blocks)]
         kept = np.zeros(keys.shape[0], dtype=np.bool_)
-        published = 0
+        written = np.zeros(keys.shape[0], dtype=np.bool_)
         if keys.shape[0]:
             self.transfer.check(blocks)
-            published = self._store(keys, blocks, kept)
+            self._store(keys, blocks, kept, written)
             if self.tier is not None and self.tier_policy == "write_through":
                 # all of them, those the rack held already too: they may have
                 # been stored while the tier was down (a key the tier holds
                 # costs it no transfer)
                 self._store_to_tier(keys, blocks)
         self._count(not_stored=int(kept.size - kept.sum()))
-        return Stored(published, kept)
+        return Stored(int(written.sum()), kept, written)
 
-    def _store(self, keys: np.ndarray, blocks: Sequence, kept: np.ndarray) -> int:
+    def _store(self, keys: np.ndarray, blocks: Sequence, kept: np.ndarray,
+               written: np.ndarray) -> int:
         """`store_each`'s work: sets ``kept`` of the blocks the pool holds
-        after it; returns how many it published."""
+        after it and ``written`` of those it published; returns how many
+        it published."""
         reserved, fitted = None, keys.shape[0]
         while reserved is None:
             try:
@@ -422,7 +427,7 @@ class Connector:
             except (LeaseLost, LockTimeout):
                 pass  # WRITING entries of this node: reusable once its lease lapses
             return 0
-        kept[taken] = done[taken]
+        kept[taken] = written[taken] = done[taken]
         published = int(done.sum())
         self._count(stored_blocks=published, written_bytes=published * self.layout.block_bytes)
         return published

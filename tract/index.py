@@ -221,6 +221,13 @@ class Index:
         #: their payloads are freed; each returns which it took (a bool array),
         #: and the next is given the rest (see Demotion above)
         self.demoters: list = []
+        #: callables told of every eviction (for room or named) as
+        #: ``watcher(phase, keys)``, ``keys`` an (n, 2) uint64 array: phase
+        #: ``"evicting"`` under the lock before the chosen entries are marked,
+        #: ``"evicted"`` once those evicted are tombstones in memory (a
+        #: process that dies between the two may have evicted any of the
+        #: first); `tract.testing.history` records them
+        self.watchers: list = []
         # on a real mapping, the batch steps run as one kernel call each
         # (`tract._kernels.indexfast`); on the simulator, as Python steps
         self._fast = fast and isinstance(self.region, Region)
@@ -851,6 +858,8 @@ class Index:
             if chosen.size:
                 lock.check()
                 marked = entries[chosen]
+                for watcher in self.watchers:
+                    watcher("evicting", marked[:, :2])
                 marked[:, 2] += np.uint64(1)
                 self._set_state(marked, EVICTING)
                 self._write(slots[chosen], marked)
@@ -875,6 +884,8 @@ class Index:
                 entries[chosen] = marked
                 lock.check()
                 self._write(slots[chosen], entries[chosen])
+                for watcher in self.watchers:
+                    watcher("evicted", victims[:, :2])
             self._lower_reaches(slots, entries, run, lock)
         try:
             if demote and victims.shape[0]:

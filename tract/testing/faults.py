@@ -50,7 +50,13 @@ checks:
   foreign block): workers compare every block they get;
 - after each round, with every worker stopped and the leases lapsed,
   ``fsck --repair`` leaves a pool that checks clean: every chunk free,
-  owned by a live node or referenced (none leaked).
+  owned by a live node or referenced (none leaked);
+- every store, load, offer, take, remove and eviction is recorded, with
+  the pool's keys and pins at each round's end, and the whole history is
+  checked at the end (`tract.testing.history`: every block got was stored
+  under that key and version, no get is stale, no acknowledged store is
+  lost silently, pins balance); ``--ack-before-publish`` runs the seeded
+  broken variant it must catch.
 
 The stall campaign (`stall_campaign`; ``--stall``) runs the same workers,
 each armed to stop itself at a random point; the campaign resumes it after
@@ -69,8 +75,10 @@ import faulthandler
 import json
 import os
 import random
+import shutil
 import signal
 import sys
+import tempfile
 import time
 import traceback
 import uuid
@@ -113,15 +121,31 @@ def _tokens(prompt: int):
     return np.concatenate([family, own]).astype(np.int64)
 
 
-def _payload(prompt: int, block: int, size: int):
-    """Block ``block`` of prompt ``prompt``: bytes that name it (a shared
-    prefix block names its family), so a torn, stale or foreign copy shows."""
+def _payload(prompt: int, block: int, size: int, version: int):
+    """Block ``block`` of prompt ``prompt`` as the store ``version`` writes
+    it: bytes that name it (a shared prefix block names its family) and
+    the version, so a torn, stale or foreign copy shows."""
     import numpy as np
 
     owner = (prompt // 4, block) if block < 2 else (FAMILIES * 4 + prompt, block)
-    words = np.random.default_rng(owner).integers(0, 2**63, size // 8, dtype=np.int64)
-    words[0], words[1] = owner
+    words = np.random.default_rng((*owner, version)).integers(0, 2**63, size // 8,
+                                                              dtype=np.int64)
+    words[0], words[1], words[2] = *owner, version
     return words.view(np.uint8)
+
+
+def _version_of(prompt: int, block: int, got) -> int | None:
+    """The version whose bytes ``got`` holds as block ``block`` of
+    ``prompt``; None when they are no version's (torn, stale or foreign)."""
+    import numpy as np
+
+    version = int(got[16:24].view(np.int64)[0])
+    return version if np.array_equal(got, _payload(prompt, block, got.size, version)) else None
+
+
+def _new_version() -> int:
+    """A store's version: random, so no two stores of any run share one."""
+    return int.from_bytes(os.urandom(7), "little")
 
 
 TICKET_BYTES = 96
@@ -157,17 +181,21 @@ CONNECTOR_COUNTS = ("lookups", "hit_blocks", "miss_blocks", "stored_blocks", "wr
 
 
 def _worker(path, node, seed, point_name, after, stop, progress, failures, tickets,
-            lease, tallies=None, stops=None) -> None:
+            lease, tallies=None, stops=None, history=None, ack_early=False) -> None:
     """One worker process: the mixed workload until ``stop``, or death at
     its armed point; a violation goes to ``failures``, and with ``tallies``
     its connector's counts at the end.  With ``stops`` (the stall
     campaign), it stops (SIGSTOP) at its armed point instead, having put
-    the point's number there, and arms another once resumed."""
+    the point's number there, and arms another once resumed.  Every cache
+    operation is recorded in ``history`` (`tract.testing.history`); the
+    seeded broken variant ``ack_early`` records each store as published
+    before it runs."""
     import numpy as np
 
     from tract.connector import Connector
     from tract.errors import LeaseLost, PoolFull
     from tract.pool import Pool
+    from tract.testing.history import Recorder, key_names
 
     rng = random.Random(seed)
     if stops is None:
@@ -188,16 +216,16 @@ def _worker(path, node, seed, point_name, after, stop, progress, failures, ticke
     layout = _layout()
     size = layout.block_bytes
     prompts = FAMILIES * 4
+    recorder = Recorder(history, node)
 
-    def expected(prompt):
-        return [_payload(prompt, b, size) for b in range(PROMPT_BLOCKS)]
-
-    def check(prompt, got, count, how):
-        for block in range(count):
-            if not np.array_equal(got[block], _payload(prompt, block, size)):
-                failures.put(f"node {node}: {how} of prompt {prompt} served block {block} with "
-                             f"other bytes (torn, stale or foreign)")
-                return
+    def got(prompt, out, count, how) -> list:
+        """The versions of the ``count`` blocks got; a block that holds no
+        version's bytes is a violation."""
+        versions = [_version_of(prompt, block, out[block]) for block in range(count)]
+        if None in versions:
+            failures.put(f"node {node}: {how} of prompt {prompt} served block "
+                         f"{versions.index(None)} with other bytes (torn, stale or foreign)")
+        return versions
 
     def sign(offset, mark):
         """Write this allocation's mark: another holder of it would overwrite it."""
@@ -217,6 +245,7 @@ def _worker(path, node, seed, point_name, after, stop, progress, failures, ticke
     try:
         with Pool.open(path, node, manager=True) as pool:
             region = pool.region
+            recorder.watch(pool.index)
             connector = Connector(pool, layout, handoff_ttl=8 * lease, timeout=40 * lease)
             held, serial, epoch = [], 0, pool.epoch
             while not stop.is_set():
@@ -225,24 +254,44 @@ def _worker(path, node, seed, point_name, after, stop, progress, failures, ticke
                     held, epoch = [], pool.epoch
                 prompt = rng.randrange(prompts)
                 tokens = _tokens(prompt)
+                keys = key_names(connector.keys(tokens))
                 out = [np.zeros(size, np.uint8) for _ in range(PROMPT_BLOCKS)]
                 operation = rng.random()
                 try:
-                    if operation < 0.25:
-                        connector.store(tokens, expected(prompt))
+                    if operation < 0.25 or 0.5 <= operation < 0.62:
+                        version = _new_version()
+                        blocks = [_payload(prompt, b, size, version)
+                                  for b in range(PROMPT_BLOCKS)]
+                        kind = "store" if operation < 0.25 else "offer"
+                        name = recorder.begin(kind, keys=keys, versions=[version] * len(keys))
+                        if kind == "store":
+                            if ack_early:  # the broken variant: acknowledged, then stored
+                                recorder.end(name, kind, written=[True] * len(keys))
+                            written = connector.store_each(tokens, blocks).written
+                            if not ack_early:
+                                recorder.end(name, kind, written=written.tolist())
+                        else:
+                            serial += 1
+                            ticket = connector.offer(f"{node}-{serial}", tokens, blocks)
+                            recorder.end(name, kind, ticket=ticket)
+                            tickets.post(node, prompt, ticket)
                     elif operation < 0.5:
+                        name = recorder.begin("load", keys=keys)
+                        fenced = connector.stats["fenced"]
                         hit = connector.lookup(tokens) // BLOCK_TOKENS
-                        check(prompt, out, connector.load(tokens[:hit * BLOCK_TOKENS], out[:hit]),
-                              "load")
-                    elif operation < 0.62:
-                        serial += 1
-                        tickets.post(node, prompt, connector.offer(f"{node}-{serial}", tokens,
-                                                                   expected(prompt)))
+                        count = connector.load(tokens[:hit * BLOCK_TOKENS], out[:hit])
+                        missed = None if connector.stats["fenced"] > fenced \
+                            or count == PROMPT_BLOCKS else count
+                        recorder.end(name, "load", versions=got(prompt, out, count, "load"),
+                                     missed=missed)
                     elif operation < 0.74:
                         posted = tickets.read(rng.randrange(1, len(progress)))
                         if posted is not None:
+                            name = recorder.begin("take", keys=key_names(
+                                connector.keys(_tokens(posted[0]))), ticket=posted[1])
                             taken = connector.take(posted[1], out)
-                            check(posted[0], out, taken.blocks, "take")
+                            recorder.end(name, "take",
+                                         versions=got(posted[0], out, taken.blocks, "take"))
                     elif operation < 0.84:
                         connector.release()
                     elif operation < 0.94:
@@ -253,8 +302,12 @@ def _worker(path, node, seed, point_name, after, stop, progress, failures, ticke
                             held.append((pool.alloc(rng.choice((3000, 70_000, 300_000))),
                                          node << 32 | serial))
                             sign(*held[-1])
-                    else:
+                    elif operation < 0.97:
                         pool.index.evict(2)
+                    else:
+                        name = recorder.begin("remove", keys=keys)
+                        removed = connector.remove(tokens)
+                        recorder.end(name, "remove", removed=removed.tolist())
                 except PoolFull:
                     if held:
                         release(held.pop())
@@ -273,6 +326,8 @@ def _worker(path, node, seed, point_name, after, stop, progress, failures, ticke
     except BaseException:
         failures.put(f"node {node}: {traceback.format_exc(limit=6)}")
         raise SystemExit(1)
+    finally:
+        recorder.close()
 
 
 def _stack_file(path: str, node: int) -> str:
@@ -331,38 +386,96 @@ def _campaign_pool(kind: str, workers: int, lease: float) -> str:
     return path
 
 
-def _start(context, args):
-    process = context.Process(target=_worker, args=args, daemon=True)
+def _start(context, args, **options):
+    process = context.Process(target=_worker, args=args, kwargs=options, daemon=True)
     process.start()
     return process
 
 
-def _warm_up(path: str) -> None:
-    """Compile every kernel the workers run, once, before they fork."""
+def _warm_up(path: str, recorder) -> None:
+    """Compile every kernel the workers run, once, before they fork (its
+    operations recorded by ``recorder``, node 0's)."""
     import numpy as np
 
     from tract.connector import Connector
     from tract.pool import Pool
+    from tract.testing.history import key_names
 
     with Pool.open(path, 0, manager=True) as pool:
+        recorder.watch(pool.index)
         connector = Connector(pool, _layout())
         size = connector.layout.block_bytes
         tokens = _tokens(0)
-        blocks = [_payload(0, b, size) for b in range(PROMPT_BLOCKS)]
+        version = _new_version()
+        blocks = [_payload(0, b, size, version) for b in range(PROMPT_BLOCKS)]
         out = [np.zeros(size, np.uint8) for _ in range(PROMPT_BLOCKS)]
-        connector.store(tokens, blocks)
+        keys = key_names(connector.keys(tokens))
+        name = recorder.begin("store", keys=keys, versions=[version] * len(keys))
+        recorder.end(name, "store", written=connector.store_each(tokens, blocks).written.tolist())
         connector.load(tokens[:connector.lookup(tokens)], out)
         connector.take(connector.offer("warm", tokens, blocks), out)
         connector.release()
         pool.free(pool.alloc(300_000))
         pool.index.evict(2)
         connector.close()
+        pool.index.watchers.clear()
+
+
+def _history(kind: str):
+    """A fresh history directory for a campaign, and node 0's recorder in it."""
+    from tract.testing.history import Recorder
+
+    directory = tempfile.mkdtemp(prefix=f"tract-history-{kind}-")
+    return directory, Recorder(directory, 0)
+
+
+def _final(path: str, directory: str, recorder) -> None:
+    """Record the pool's state with every worker stopped: which of the
+    keys ever stored it holds, and the pins of each node that left (a
+    node whose last process was killed keeps its pin words until it
+    rejoins: no evictor reads a dead node's pins, R6)."""
+    import numpy as np
+
+    from tract.lease import LEFT
+    from tract.pool import Pool
+    from tract.testing.history import read
+
+    keys = sorted({key for event in read(directory) if event["op"] == "store"
+                   and event["phase"] == "begin" for key in event["keys"]})
+    words = np.array([(int(key[:16], 16), int(key[16:], 16)) for key in keys],
+                     dtype=np.uint64).reshape(-1, 2)
+    with Pool.observe(path) as pool:
+        present = pool.index.present(words).tolist() if keys else []
+        pins = {node: pool.index.pins_held(node) for node in range(pool.header.max_nodes)
+                if pool.nodes.read(node)[2] == LEFT}
+    name = recorder.begin("final", present=[key for key, here in zip(keys, present) if here],
+                          pins=pins)
+    recorder.end(name, "final")
+
+
+def _checked(directory: str, recorder) -> dict:
+    """The history's check (`tract.testing.history.check`): ``{"events",
+    "violations"}``, each violation with the events that show it.  The
+    directory is removed when it holds none, kept (and named) otherwise."""
+    from tract.testing.history import check, read
+
+    recorder.close()
+    events = read(directory)
+    found = [violation.show(events[0]["t"]) for violation in check(events)]
+    if found:
+        found[0] += f"\n(the whole history: {directory})"
+    else:
+        shutil.rmtree(directory)
+    return {"events": len(events), "violations": found}
 
 
 def campaign(points: int, seed: int = 0, workers: int = 3, lease: float = 0.4,
-             kills_per_round: int = 25, progress_bar: bool = False) -> dict:
+             kills_per_round: int = 25, progress_bar: bool = False,
+             ack_early: bool = False) -> dict:
     """Kill ``points`` workers at random points (seeded); returns
-    ``{"points", "violations", "recovered_s_max", ...}``."""
+    ``{"points", "violations", "recovered_s_max", ...}``, the history's
+    violations among them.  ``ack_early``: the workers are the seeded
+    broken variant that acknowledges a store before it is published."""
     import multiprocessing
 
     from tract.fsck import fsck
@@ -373,11 +486,12 @@ def campaign(points: int, seed: int = 0, workers: int = 3, lease: float = 0.4,
     rng = random.Random(seed)
     context = multiprocessing.get_context("fork")
     path = _campaign_pool("faults", workers, lease)
+    history, recorder = _history("faults")
     violations, recoveries, by_point = [], [], dict.fromkeys(POINTS, 0)
     rounds = operations = 0
     bound = recovery_bound(lease)
     try:
-        _warm_up(path)
+        _warm_up(path, recorder)
         time.sleep(1.5 * lease)  # node 0's lease lapses: workers' managers take over
         progress = context.Array("q", workers + 1, lock=False)
         failures, tickets = context.Queue(), TicketBoard(context, workers + 1)
@@ -391,7 +505,8 @@ def campaign(points: int, seed: int = 0, workers: int = 3, lease: float = 0.4,
                 name = rng.choice(POINTS)
                 process = _start(context, (path, node, rng.getrandbits(32), name,
                                            rng.randint(1, 3), stop, progress, failures,
-                                           tickets, lease))
+                                           tickets, lease), history=history,
+                                 ack_early=ack_early)
                 running[node] = (process, name, time.monotonic())
 
             for node in range(1, workers + 1):
@@ -455,13 +570,16 @@ def campaign(points: int, seed: int = 0, workers: int = 3, lease: float = 0.4,
             if not after["ok"]:
                 violations.append(f"round {rounds}: fsck after repair: "
                                   f"{after['problems'][:2]}")
+            _final(path, history, recorder)
             operations = sum(progress)
             time.sleep(1.5 * lease)  # node 0's lease lapses: the next workers' managers take over
         if progress_bar:
             print(file=sys.stderr)
     finally:
         _destroy(path, workers)
-    return {"points": killed, "violations": violations,
+    checked = _checked(history, recorder)
+    violations += checked["violations"]
+    return {"points": killed, "violations": violations, "history_events": checked["events"],
             "recovered_s_max": max(recoveries, default=0.0),
             "recovered_s_median": sorted(recoveries)[len(recoveries) // 2] if recoveries else 0.0,
             "recovery_bound_s": bound, "lease_timeout_s": lease, "rounds": rounds,
@@ -500,12 +618,13 @@ def stall_campaign(points: int, seed: int = 0, workers: int = 3, lease: float = 
     rng = random.Random(seed)
     context = multiprocessing.get_context("fork")
     path = _campaign_pool("stalls", workers, lease)
+    history, recorder = _history("stalls")
     violations, recoveries, by_point = [], [], dict.fromkeys(POINTS, 0)
     rounds = operations = stalled_points = 0
     longest = 0.0
     bound = recovery_bound(lease)
     try:
-        _warm_up(path)
+        _warm_up(path, recorder)
         time.sleep(1.5 * lease)
         progress = context.Array("q", workers + 1, lock=False)
         stops = context.Array("q", workers + 1, lock=False)
@@ -518,7 +637,7 @@ def stall_campaign(points: int, seed: int = 0, workers: int = 3, lease: float = 
             for node in range(1, workers + 1):
                 process = _start(context, (path, node, rng.getrandbits(32), rng.choice(POINTS),
                                            rng.randint(1, 3), stop, progress, failures,
-                                           tickets, lease, None, stops))
+                                           tickets, lease, None, stops), history=history)
                 running[node] = (process, "stall", time.monotonic())
             paused: dict[int, tuple[float, float, str]] = {}  # node -> (since, until, point)
             # (began, node whose progress is awaited -> its count then, the stall's node)
@@ -598,13 +717,17 @@ def stall_campaign(points: int, seed: int = 0, workers: int = 3, lease: float = 
             if not after["ok"]:
                 violations.append(f"round {rounds}: fsck after repair: "
                                   f"{after['problems'][:2]}")
+            _final(path, history, recorder)
             operations = sum(progress)
             time.sleep(1.5 * lease)
         if progress_bar:
             print(file=sys.stderr)
     finally:
         _destroy(path, workers)
+    checked = _checked(history, recorder)
+    violations += checked["violations"]
     return {"points": stalled_points, "violations": violations,
+            "history_events": checked["events"],
             "recovered_s_max": max(recoveries, default=0.0),
             "recovered_s_median": sorted(recoveries)[len(recoveries) // 2] if recoveries else 0.0,
             "stalled_s_max": longest, "recovery_bound_s": bound, "lease_timeout_s": lease,
@@ -625,15 +748,16 @@ def soak(seconds: float, seed: int = 0, workers: int = 3, lease: float = 0.4) ->
     rng = random.Random(seed)
     context = multiprocessing.get_context("fork")
     path = _campaign_pool("soak", workers, lease)
+    history, recorder = _history("soak")
     violations = []
     try:
-        _warm_up(path)
+        _warm_up(path, recorder)
         time.sleep(1.5 * lease)
         progress = context.Array("q", workers + 1, lock=False)
         failures, tallies = context.Queue(), context.Queue()
         tickets, stop = TicketBoard(context, workers + 1), context.Event()
         processes = [_start(context, (path, node, rng.getrandbits(32), None, 1, stop, progress,
-                                      failures, tickets, lease, tallies))
+                                      failures, tickets, lease, tallies), history=history)
                      for node in range(1, workers + 1)]
         time.sleep(seconds)
         stop.set()
@@ -665,11 +789,14 @@ def soak(seconds: float, seed: int = 0, workers: int = 3, lease: float = 0.4) ->
         report = fsck(path, watch=False)
         if not report["ok"]:
             violations.append(f"fsck after the soak: {report['problems'][:2]}")
+        _final(path, history, recorder)
         operations = sum(progress)
     finally:
         _destroy(path, workers)
+    checked = _checked(history, recorder)
     return {"seconds": seconds, "workers": workers, "operations": operations,
-            "violations": violations, "seed": seed}
+            "violations": violations + checked["violations"],
+            "history_events": checked["events"], "seed": seed}
 
 
 def _await_progress(progress, survivors: dict[int, int], running, died: float,
@@ -706,6 +833,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workers", type=int, default=3, help="worker processes (nodes)")
     parser.add_argument("--lease", type=float, default=0.4, help="lease timeout, seconds")
+    parser.add_argument("--ack-before-publish", action="store_true",
+                        help="the seeded broken variant: workers acknowledge each store before "
+                             "it is published (the history check must catch it)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     if args.minutes is not None:
@@ -722,7 +852,7 @@ def main(argv: list[str] | None = None) -> int:
                    f"lease {report['lease_timeout_s']} s)")
     else:
         report = campaign(args.points, args.seed, args.workers, args.lease,
-                          progress_bar=not args.json)
+                          progress_bar=not args.json, ack_early=args.ack_before_publish)
         summary = (f"kill points survived: {report['points']} in {report['rounds']} rounds "
                    f"({report['operations']} operations); worst recovery "
                    f"{report['recovered_s_max']:.3f} s (bound {report['recovery_bound_s']:.2f} s, "
