@@ -32,8 +32,9 @@ demo: $(STAMP)
 # simulated tests, recorded with coverage.py one context per test, then the
 # mutation harness over every protocol module, which selects by that record:
 # all on the simulator's virtual clock or with no clock at all, so load
-# does not bend them) beside the engine lane (the engines' environments,
-# their tiers, the spin model, asv once in quick mode).  The multi-process
+# does not bend them; then the spin model, and asv once in quick mode)
+# beside the engine lane (the engines' environments, their tiers, the
+# native mutants).  The multi-process
 # and slow tests, which measure real time, run after both, on a quiet
 # machine.  pytest prints each tier's 30 slowest tests.
 TIER := $(PYTHON) tests/tiers.py run
@@ -52,14 +53,14 @@ lane-protocol: $(STAMP)
 	COVERAGE_FILE=$(CURDIR)/out/sim.coverage $(TIER) pytest-sim -- $(PYTEST) -m "sim" \
 		--cov=tract --cov-context=test --cov-report=
 	$(MAKE) mutants MUTANTS_FROM="--coverage out/sim.coverage"
+	$(MAKE) model
+	$(MAKE) asv
 
 lane-engines: $(STAMP)
 	$(MAKE) -j3 env-vllm env-lmcache env-sglang
 	$(MAKE) test-vllm
 	$(MAKE) test-lmcache
 	$(MAKE) test-sglang
-	$(MAKE) model
-	$(MAKE) asv
 	$(MAKE) mutants-native
 
 # Each mutant runs only the simulated tests that execute its site (a
