@@ -119,11 +119,12 @@ def test_bench_region_json_schema():
 @pytest.mark.multiprocess
 def test_bench_churn_reports_each_operation_alone_and_under_churn():
     """Each timed operation's p50, p99 and p99.9, alone and under churn,
-    against its p50 alone (same run), and how many were timed."""
+    against its p50 alone (same run), and how many were timed; and the
+    control (a copy of the same bytes that touches no pool)."""
     done = _tract("bench", "churn", "--json", "--quick")
     assert done.returncode == 0, done.stderr
     results = {result["name"]: result for result in json.loads(done.stdout)["results"]}
-    for op in ("store", "load", "take"):
+    for op in ("store", "load", "take", "copy"):
         alone = results[f"churn[{op}] alone p50"]
         assert alone["ratio"] == pytest.approx(1.0)
         for phase in ("alone", "churn"):

@@ -21,6 +21,12 @@ the p50, p99 and p99.9 of its latency alone and under churn, each against
 the p50 alone (the issue's targets: p99 under churn at most 3x, p99.9 at
 most 10x), with each node's lock waits under churn (the share of the tail
 the pool's own locks explain).
+
+The control, ``copy``: the reader also times a copy of the same bytes from
+its own memory into the same buffers, right after each load, touching no
+pool.  Its tail under churn is what the machine alone costs a call (five
+busy processes on the cores, their page faults and caches): the share of
+the tail that is not tract's.
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ PACE = 1e-3  # seconds each role pauses after an operation
 SECONDS = 2.0  # of each phase
 EVICT = 4
 ROLES = {"writer": 1, "reader": 2, "evictor": 3, "producer": 4, "consumer": 5}
-TIMED = {"store": "writer", "load": "reader", "take": "consumer"}
+TIMED = {"store": "writer", "load": "reader", "take": "consumer", "copy": "reader"}
 ALONE = {"store": ("writer",), "load": ("reader",), "take": ("producer", "consumer")}
 READ_PROMPTS = 64  # prompts the reader loads, stored before each phase
 
@@ -60,13 +66,15 @@ def _tokens(prompt: int) -> np.ndarray:
 
 def _role(path, role, seconds, start, results, tickets, seed) -> None:
     """One role's process: warm up, wait for ``start``, then its paced loop
-    for ``seconds``; puts (role, latencies in ns, lock waits, lock wait ns)."""
+    for ``seconds``; puts (role, latencies in ns, lock waits, lock wait ns,
+    the reader's control copies' latencies in ns)."""
     from tract.connector import NO_OFFER, Connector
     from tract.pool import Pool
 
     layout = _layout()
     blocks = [np.full(layout.block_bytes, seed & 0xFF, np.uint8) for _ in range(PROMPT_BLOCKS)]
     out = [np.empty(layout.block_bytes, np.uint8) for _ in range(PROMPT_BLOCKS)]
+    copies = []  # the control: the same bytes copied from this process's own memory
     with Pool.open(path, ROLES[role], manager=True) as pool:
         kv = Connector(pool, layout, timeout=30.0)
         serial = seed << 20
@@ -85,7 +93,12 @@ def _role(path, role, seconds, start, results, tickets, seed) -> None:
                 tokens = reads[serial % READ_PROMPTS]
                 begin = time.perf_counter_ns()
                 kv.load(tokens, out)
-                return time.perf_counter_ns() - begin
+                took = time.perf_counter_ns() - begin
+                begin = time.perf_counter_ns()
+                for block, copy in zip(blocks, out):
+                    np.copyto(copy, block)
+                copies.append(time.perf_counter_ns() - begin)
+                return took
             if role == "evictor":
                 pool.index.evict(EVICT)
                 return None
@@ -111,6 +124,7 @@ def _role(path, role, seconds, start, results, tickets, seed) -> None:
                 break
             once()
         start.wait()
+        copies.clear()
         before = pool.counters().get(pool.node, {})
         latencies, deadline = [], time.monotonic() + seconds
         while time.monotonic() < deadline:
@@ -121,11 +135,12 @@ def _role(path, role, seconds, start, results, tickets, seed) -> None:
         after = pool.counters().get(pool.node, {})
         kv.close()
     waits = [after.get(name, 0) - before.get(name, 0) for name in ("lock_waits", "lock_wait_ns")]
-    results.put((role, latencies, *waits))
+    results.put((role, latencies, *waits, copies))
 
 
 def _phase(path: str, roles, seconds: float, context, seed: int) -> dict:
-    """Run ``roles`` at once for ``seconds``; {role: (latencies, lock waits, wait ns)}."""
+    """Run ``roles`` at once for ``seconds``; {role: (latencies, lock waits,
+    wait ns)}, and the reader's control copies as role ``copy``."""
     start, results = context.Event(), context.Queue()
     tickets = context.Queue(maxsize=8)
     processes = [context.Process(target=_role, args=(path, role, seconds, start, results,
@@ -138,8 +153,10 @@ def _phase(path: str, roles, seconds: float, context, seed: int) -> dict:
         start.set()
         found = {}
         for _ in processes:
-            role, latencies, waits, wait_ns = results.get(timeout=120 + 4 * seconds)
+            role, latencies, waits, wait_ns, copies = results.get(timeout=120 + 4 * seconds)
             found[role] = (np.asarray(latencies, np.int64), waits, wait_ns)
+            if copies:
+                found["copy"] = (np.asarray(copies, np.int64), 0, 0)
         return found
     finally:
         for process in processes:
@@ -180,11 +197,15 @@ def measure(rounds: int = 3, seconds: float = SECONDS) -> dict:
                 _store_reads(path)
                 found = _phase(path, roles, seconds, context, 1000 * round_)
                 samples[op]["alone"].append(found[TIMED[op]][0])
+                if op == "load":
+                    samples["copy"]["alone"].append(found["copy"][0])
             _store_reads(path)
             found = _phase(path, list(ROLES), seconds, context, 1000 * round_ + 500)
-            for op, role in TIMED.items():
-                samples[op]["churn"].append(found[role][0])
+            for op in TIMED:
+                samples[op]["churn"].append(found[op if op == "copy" else TIMED[op]][0])
             for role, (_, count, ns) in found.items():
+                if role not in ROLES:
+                    continue
                 waits[role][0] += count
                 waits[role][1] += ns
     finally:
