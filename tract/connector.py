@@ -172,6 +172,12 @@ class Connector:
             self.offers.clear()
             self._retired.clear()
 
+    def _count_if_lapsed(self) -> None:
+        """Count a call that lost a lock as ``fenced`` when the loss was
+        this node's own lapsed lease (a stall), not a manager's take-over."""
+        if not self.pool.lease_held():
+            self._count(fenced=1)
+
     def _count(self, **deltas: int) -> None:
         for name, delta in deltas.items():
             self.stats[name] += delta
@@ -399,6 +405,7 @@ class Connector:
                 if not fitted:
                     return 0
             except (LeaseLost, LockTimeout):  # a lock lost or not had: nothing was written
+                self._count_if_lapsed()
                 return 0
         kept[:fitted] = ~reserved.taken  # present, or being written by another writer
         taken = np.flatnonzero(reserved.taken)
@@ -422,6 +429,7 @@ class Connector:
             done = np.asarray(self.index.publish(reserved, checksums, timeout=self.timeout),
                               dtype=np.bool_)
         except (LeaseLost, LockTimeout):  # not published: withdrawn when the lock allows
+            self._count_if_lapsed()
             try:
                 self.index.abort(reserved, timeout=self.timeout)
             except (LeaseLost, LockTimeout):
