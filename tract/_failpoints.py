@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 
 __all__ = ["ACTIONS", "ARMED", "POINTS", "arm", "on_resume", "on_stop", "point"]
 
@@ -70,6 +71,9 @@ def point(name: str) -> None:
     ARMED = None
     if on_stop is not None:
         on_stop(name)
-    os.kill(os.getpid(), signal.SIGSTOP)
+    # sent to this thread: one sent to the process is taken by its main thread
+    # first, and a point reached on another (a transfer thread) would run on
+    # until then; the stop itself stops every thread
+    signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
     if on_resume is not None:
         on_resume(name)

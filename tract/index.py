@@ -701,8 +701,8 @@ class Index:
         # the lock's acquire fences: the caller's payload flushes complete first (R3)
         with self.pool.lock("index")(timeout) as lock:
             count = self._finished(slots, expected, state, sums, ours, done)
-            lock.check()
             faults.point("publish.locked")
+            lock.check()  # the last check before the write (R6): nothing may come between
             self._write(slots[ours], done[:count])
         return ours
 

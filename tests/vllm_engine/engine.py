@@ -7,8 +7,9 @@ SPEC: ``model`` (a local model directory), ``out`` (where the results go),
 ``batches`` (each ``{"prompts": [[token ids]], "max_tokens": n}``, with
 ``"one_by_one": true`` to time each prompt alone, ``"concurrent": k`` to
 serve them k at a time and time each one's first token, or ``"abort":
-[indices]`` to abort those prompts' requests after the first engine step;
-``"remote_decode": true`` asks a NixlConnector producer to keep each
+[indices]`` to abort those prompts' requests after the first engine step,
+``"wait_for": path`` to serve the batch only once another process made
+``path``; ``"remote_decode": true`` asks a NixlConnector producer to keep each
 request's blocks for a decoder, ``"params_from": path`` with
 ``"params_offset": n`` gives request i the kv_transfer_params at n + i of
 the list a producer wrote there), and optionally ``params_out`` and
@@ -35,13 +36,18 @@ import sys
 import time
 
 
-def _json_when_there(path: str, timeout: float = 600.0):
-    """The JSON at ``path`` once another process wrote it (by rename)."""
+def _when_there(path: str, timeout: float = 600.0) -> None:
+    """Return once another process made ``path``."""
     deadline = time.monotonic() + timeout
     while not os.path.exists(path):
         if time.monotonic() > deadline:
             raise TimeoutError(f"nothing at {path} after {timeout} s")
         time.sleep(0.05)
+
+
+def _json_when_there(path: str, timeout: float = 600.0):
+    """The JSON at ``path`` once another process wrote it (by rename)."""
+    _when_there(path, timeout)
     with open(path) as source:
         return json.load(source)
 
@@ -174,6 +180,8 @@ def main(spec_path: str) -> None:
                 for r in results]
 
     for batch in spec["batches"]:
+        if batch.get("wait_for"):
+            _when_there(batch["wait_for"])
         prompts = [TokensPrompt(prompt_token_ids=p) for p in batch["prompts"]]
         transfer = [None] * len(prompts)
         if batch.get("remote_decode"):

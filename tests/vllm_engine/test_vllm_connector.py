@@ -13,8 +13,14 @@ weights, float32, eager.
    tokens stay exact (vLLM recomputes from that block).
 3. Prefix reuse across ``kv_both`` instances: B serves P + suffix and gets
    P's blocks from A.
-4. A producer killed by SIGKILL mid-store: the consumer finishes in bounded
-   time, token-exact, recomputing what is missing; fsck repairs to clean.
+4. Chaos inside the engines, each case token-exact (or recomputing), in
+   bounded time, its pool repaired by fsck to clean: a producer killed by
+   SIGKILL mid-store (the consumer recomputes what is missing); a consumer
+   killed mid-load (its node restarted drops the dead incarnation's pins
+   and loads everything); the process that runs the lock manager killed
+   mid-grant (a standby in one of the serving instances takes over); a
+   producer stopped past its lease, then continued (it fences itself,
+   rejoins as a new incarnation and serves on).
 5. A producer whose pool is smaller than one of its prompts serves on,
    token-exact, counts every block it could not store, and its KV events
    report the blocks it stored and those later evicted (BlockRemoved).
@@ -39,6 +45,7 @@ tokens a second with tract and with no connector, in alternating rounds.
 import importlib.util
 import json
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -108,13 +115,12 @@ def _tract(pool, node, role="kv_both", **extra):
             "kv_connector_extra_config": {"pool": pool, "node": node, **extra}}
 
 
-def _engine(workdir, name, model, batches, kv=None, env=None, timeout=600, check=True,
+def _engine(workdir, name, model, batches, kv=None, env=None, timeout=600,
             num_blocks=None, max_model_len=None, kv_events=False, prefix_caching=False,
             background=False, **spec):
-    """Run one vLLM instance over ``batches``; its report (None when the
-    process died and ``check`` is false).  ``spec``: more of `engine.py`'s
-    keys.  ``background``: start it and return (its process, its report's
-    path)."""
+    """Run one vLLM instance over ``batches``; its report.  ``spec``: more
+    of `engine.py`'s keys.  ``background``: start it and return (its
+    process, its report's path); its output goes to ``name.log``."""
     out = workdir / f"{name}.json"
     path = workdir / f"{name}.spec.json"
     path.write_text(json.dumps({"model": model, "out": str(out), "batches": batches,
@@ -124,16 +130,14 @@ def _engine(workdir, name, model, batches, kv=None, env=None, timeout=600, check
                                 **spec}))
     command = [sys.executable, ENGINE, str(path)]
     if background:
-        log = open(workdir / f"{name}.log", "w")
-        return subprocess.Popen(command, env=_env(workdir, **(env or {})), stdout=log,
-                                stderr=subprocess.STDOUT), out
+        with open(workdir / f"{name}.log", "w") as log:
+            return subprocess.Popen(command, env=_env(workdir, **(env or {})), stdout=log,
+                                    stderr=subprocess.STDOUT), out
     done = subprocess.run(command, env=_env(workdir, **(env or {})), capture_output=True,
                           text=True, timeout=timeout)
     if done.returncode != 0:
-        if check:
-            raise AssertionError(f"vLLM instance {name} exited with {done.returncode}:\n"
-                                 f"{done.stderr[-4000:]}")
-        return None
+        raise AssertionError(f"vLLM instance {name} exited with {done.returncode}:\n"
+                             f"{done.stderr[-4000:]}")
     return json.loads(out.read_text())
 
 
@@ -152,11 +156,11 @@ def reference(workdir, model, prompts):
             "long": [o["tokens"] for o in report["batches"][2]["outputs"]]}
 
 
-def _pool(workdir, name):
+def _pool(workdir, name, lock_mode="bakery"):
     path = f"/dev/shm/tract-vllm-{os.getpid()}-{name}"
     if os.path.exists(path):
         Pool.destroy(path)
-    Pool.create(path, 256 << 20, max_nodes=8, lock_mode="bakery", lease_timeout=LEASE)
+    Pool.create(path, 256 << 20, max_nodes=8, lock_mode=lock_mode, lease_timeout=LEASE)
     return path
 
 
@@ -196,9 +200,9 @@ def _counters(path):
         return pool.counters()
 
 
-def _store(workdir, name, model, prompts, pool_path, node, env=None, check=True):
+def _store(workdir, name, model, prompts, pool_path, node):
     return _engine(workdir, name, model, _decode(prompts, 1),
-                   kv=_tract(pool_path, node, "kv_producer"), env=env, check=check)
+                   kv=_tract(pool_path, node, "kv_producer"))
 
 
 REPORT = {}
@@ -339,30 +343,6 @@ def test_requests_aborted_mid_load_leave_no_pin_and_the_engine_goes_on(
     assert report["ok"] and report["problems"] == [], report["problems"][:3]
 
 
-def test_a_producer_killed_mid_store_costs_the_consumer_only_recomputation(
-        workdir, model, prompts, reference, pool_path):
-    died = _store(workdir, "producer-killed", model, prompts, pool_path, 1,
-                  env={"TRACT_KILL_POINT": "store.copied", "TRACT_KILL_AFTER": "2"},
-                  check=False)
-    assert died is None, "the producer was to die by SIGKILL in its second store"
-    started = time.monotonic()
-    consumer = _engine(workdir, "consumer-after-kill", model, _decode(prompts),
-                       kv=_tract(pool_path, 2, "kv_consumer"), timeout=300)
-    took = time.monotonic() - started
-    assert [o["tokens"] for o in consumer["batches"][0]["outputs"]] == reference["tokens"]
-    external = [o["params"]["tract_external_tokens"] for o in consumer["batches"][0]["outputs"]]
-    assert external[0] >= _full_blocks(prompts[0]) * BLOCK  # stored before the kill
-    assert sum(external) < sum(len(p) - 1 for p in prompts)  # the rest recomputed
-    assert took < 240
-    time.sleep(2 * LEASE)  # the dead producer's lease lapses
-    from tract.fsck import fsck
-
-    repaired = fsck(pool_path, repair=True, node=6)
-    assert repaired["ok"], repaired["problems"][:3]
-    assert fsck(pool_path)["ok"]
-    REPORT["recovered_s"] = took
-
-
 def test_a_producer_whose_pool_is_too_small_serves_on_and_counts_what_it_did_not_store(
         workdir, model, prompts, reference):
     """A pool of six blocks: the producer serves on, token-exact, counts
@@ -410,6 +390,252 @@ def test_a_producer_whose_pool_is_too_small_serves_on_and_counts_what_it_did_not
             connector.close()
     finally:
         Pool.destroy(path)
+
+
+# ------------------------------------------------- chaos inside the engines
+
+#: seconds within which an instance started after (or beside) a fault serves its batches:
+#: some 30 s each on a loaded 2-core machine; recovery itself waits a lease or two
+RECOVERY_S = 240
+
+
+@pytest.fixture
+def processes():
+    """A test's background processes: those still running at its end are killed."""
+    started = []
+    yield started
+    for process in started:
+        if process.poll() is None:
+            process.kill()  # a stopped process too
+            process.wait()
+
+
+def _armed(point, after=1, action="kill"):
+    """The environment that arms `tract._failpoints` point ``point``:
+    ``action`` the ``after``-th time the process reaches it."""
+    return {"TRACT_KILL_POINT": point, "TRACT_KILL_AFTER": str(after),
+            "TRACT_KILL_ACTION": action}
+
+
+def _waiting_for(path, prompts, max_tokens=DECODE):
+    """One batch, served once another process made ``path`` (its report)."""
+    return [{"prompts": prompts, "max_tokens": max_tokens, "wait_for": str(path)}]
+
+
+def _exited(process, name, timeout=RECOVERY_S):
+    """``process``'s exit status, within ``timeout`` seconds."""
+    try:
+        return process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{name} still ran {timeout} s after it was awaited: see {name}.log")
+
+
+def _assert_served(process, name, out):
+    """The report of an instance run in the background, once it exited 0."""
+    code = _exited(process, name)
+    assert code == 0, f"{name} exited with {code}: see {name}.log"
+    return json.loads(out.read_text())
+
+
+def _assert_killed(process, name, point, timeout=RECOVERY_S):
+    """``process`` died by SIGKILL (at fail point ``point``) within ``timeout``."""
+    code = _exited(process, name, timeout)
+    assert code == -signal.SIGKILL, \
+        f"{name} was to die by SIGKILL at fail point {point}; it exited with {code}: see " \
+        f"{name}.log"
+
+
+def _await_stop(process, name):
+    """Return once ``process`` is stopped (SIGSTOP: state T in /proc)."""
+    deadline = time.monotonic() + RECOVERY_S
+    while True:
+        assert process.poll() is None, \
+            f"{name} exited with {process.returncode} before it stopped: see {name}.log"
+        with open(f"/proc/{process.pid}/stat") as stat:
+            if stat.read().rpartition(")")[2].split()[0] == "T":
+                return
+        assert time.monotonic() < deadline, f"{name} never stopped: see {name}.log"
+        time.sleep(0.05)
+
+
+def _assert_repaired_clean(path):
+    """fsck repairs the pool (as node 6), and a check then finds it clean."""
+    from tract.fsck import fsck
+
+    repaired = fsck(path, repair=True, node=6)
+    assert repaired["ok"], repaired["problems"][:3]
+    report = fsck(path)
+    assert report["ok"] and report["problems"] == [], report["problems"][:3]
+
+
+def _epoch(path, node):
+    """``node``'s incarnation, as the pool's node table says now."""
+    with Pool.observe(path) as pool:
+        return pool.nodes.read(node)[1]
+
+
+def test_a_producer_killed_mid_store_costs_the_consumer_only_recomputation(
+        workdir, model, prompts, reference, pool_path, processes):
+    """A producer killed by SIGKILL in its second store (copied, not yet
+    published): the consumer loads what was published before, recomputes
+    the rest, token-exact, in bounded time; once the dead producer's lease
+    lapsed, fsck repairs the pool to clean."""
+    producer, _ = _engine(workdir, "producer-killed", model, _decode(prompts, 1),
+                          kv=_tract(pool_path, 1, "kv_producer"),
+                          env=_armed("store.copied", after=2), background=True)
+    processes.append(producer)
+    _assert_killed(producer, "producer-killed", "store.copied")
+    started = time.monotonic()
+    consumer = _engine(workdir, "consumer-after-kill", model, _decode(prompts),
+                       kv=_tract(pool_path, 2, "kv_consumer"), timeout=RECOVERY_S + 60)
+    took = time.monotonic() - started
+    assert [o["tokens"] for o in consumer["batches"][0]["outputs"]] == reference["tokens"]
+    external = [o["params"]["tract_external_tokens"] for o in consumer["batches"][0]["outputs"]]
+    assert external[0] >= _full_blocks(prompts[0]) * BLOCK  # stored before the kill
+    assert sum(external) < sum(len(p) - 1 for p in prompts)  # the rest recomputed
+    assert took < RECOVERY_S, f"the consumer took {took:.0f} s after the producer's death"
+    time.sleep(2 * LEASE)  # the dead producer's lease lapses
+    _assert_repaired_clean(pool_path)
+    REPORT["recovered_s"] = took
+
+
+def test_a_consumer_killed_mid_load_leaves_pins_that_its_restart_drops(
+        workdir, model, prompts, reference, pool_path, processes):
+    """A consumer killed by SIGKILL mid-load (its first load's hits pinned,
+    not yet copied into vLLM's blocks; loads in the step, the CPU backend's
+    default) dies holding pins.  Its node restarted joins as a new
+    incarnation, which drops them, and serves the same prompts token-exact,
+    every token but the last loaded, in bounded time; fsck repairs the pool
+    to clean.  The producer and the doomed consumer start at once, the
+    consumer's batch waiting for the producer's report."""
+    producer, stored = _engine(workdir, "producer-before-load-kill", model,
+                               _decode(prompts, 1), kv=_tract(pool_path, 1, "kv_producer"),
+                               background=True)
+    doomed, _ = _engine(workdir, "consumer-killed", model, _waiting_for(stored, prompts),
+                        kv=_tract(pool_path, 2, "kv_consumer"), env=_armed("load.pinned"),
+                        background=True)
+    processes += [producer, doomed]
+    _assert_served(producer, "producer-before-load-kill", stored)
+    _assert_killed(doomed, "consumer-killed", "load.pinned")
+    with Pool.observe(pool_path) as pool:
+        assert pool.index.pins_held(2) > 0, "the consumer died holding no pin: not mid-load"
+    dead = _epoch(pool_path, 2)
+    started = time.monotonic()
+    consumer = _engine(workdir, "consumer-restarted", model, _decode(prompts),
+                       kv=_tract(pool_path, 2, "kv_consumer"), timeout=RECOVERY_S + 60)
+    took = time.monotonic() - started
+    outputs = consumer["batches"][0]["outputs"]
+    assert [o["tokens"] for o in outputs] == reference["tokens"]
+    assert [o["params"]["tract_external_tokens"] for o in outputs] == \
+        [len(prompt) - 1 for prompt in prompts]
+    assert took < RECOVERY_S, f"the restarted consumer took {took:.0f} s"
+    assert _epoch(pool_path, 2) > dead, "the restarted consumer joined as the dead incarnation"
+    with Pool.observe(pool_path) as pool:
+        assert pool.index.pins_held(2) == 0, "the dead incarnation's pins outlived its restart"
+    _assert_repaired_clean(pool_path)
+
+
+def test_a_lock_manager_killed_mid_grant_hands_over_to_a_standby_in_a_serving_instance(
+        workdir, model, prompts, reference, processes):
+    """A pool of manager-mode locks whose manager is a process of its own
+    on node 0 (`tract manager`), armed to die by SIGKILL at its first
+    grant: the producer's first store, whose lock request then waits on a
+    dead manager.  Producer and consumer run standby managers
+    (``"manager": true``); one takes over once node 0's lease lapsed, and
+    the producer, having waited about a lease for its lock, stores every
+    block; the consumer (its batch waiting for the producer's report)
+    loads every token but the last; both token-exact, in bounded time;
+    fsck repairs the pool to clean."""
+    from tract.pool import pool_info
+
+    path = _pool(workdir, "manager-killed", lock_mode="manager")
+    try:
+        with open(workdir / "manager.log", "w") as log:
+            manager = subprocess.Popen(
+                [sys.executable, "-m", "tract.cli", "manager", path, "--node", "0"],
+                env=_env(workdir, **_armed("manager.grant")), stdout=log,
+                stderr=subprocess.STDOUT)
+        processes.append(manager)
+        deadline = time.monotonic() + 60
+        while pool_info(path, watch=0)["manager"]["node"] != 0:
+            assert manager.poll() is None and time.monotonic() < deadline, \
+                "the manager process never took over: see manager.log"
+            time.sleep(0.05)
+        first = pool_info(path, watch=0)["manager"]["epoch"]
+        started = time.monotonic()
+        producer, stored = _engine(workdir, "producer-manager-killed", model,
+                                   _decode(prompts),
+                                   kv=_tract(path, 1, "kv_producer", manager=True),
+                                   background=True)
+        consumer, loaded = _engine(workdir, "consumer-manager-killed", model,
+                                   _waiting_for(stored, prompts),
+                                   kv=_tract(path, 2, "kv_consumer", manager=True),
+                                   background=True)
+        processes += [producer, consumer]
+        produced = _assert_served(producer, "producer-manager-killed", stored)
+        served = _assert_served(consumer, "consumer-manager-killed", loaded)
+        took = time.monotonic() - started
+        _assert_killed(manager, "manager", "manager.grant", timeout=LEASE)
+        assert [o["tokens"] for o in produced["batches"][0]["outputs"]] == reference["tokens"]
+        outputs = served["batches"][0]["outputs"]
+        assert [o["tokens"] for o in outputs] == reference["tokens"]
+        assert [o["params"]["tract_external_tokens"] for o in outputs] == \
+            [len(prompt) - 1 for prompt in prompts]
+        assert took < RECOVERY_S, f"the two instances took {took:.0f} s beside the kill"
+        now = pool_info(path, watch=0)["manager"]
+        assert now["node"] in (1, 2) and now["epoch"] > first, \
+            f"no standby took over from the dead manager (node 0, epoch {first}): {now}"
+        counters = _counters(path)[1]
+        assert counters["stored_blocks"] == sum(map(_stored_blocks, prompts)), counters
+        assert counters["lock_wait_ns"] >= LEASE / 2 * 1e9, \
+            f"the producer never waited for a take-over: {counters['lock_wait_ns']} ns"
+        _assert_repaired_clean(path)
+    finally:
+        Pool.destroy(path)
+
+
+def test_a_producer_stopped_past_its_lease_fences_itself_rejoins_and_serves_on(
+        workdir, model, prompts, reference, pool_path, processes):
+    """A producer stopped by SIGSTOP in its second store (copied, not yet
+    published; on its transfer thread: saves are asynchronous) for three
+    leases, then continued: its
+    node's lease lapsed meanwhile, so it publishes nothing under the
+    lapsed claims (counted: fenced, and its blocks not stored); it rejoins
+    as a new incarnation at its next store, and serves on token-exact (a
+    second batch too: P + suffix).  A consumer (its batch waiting for the
+    producer's report) loads what was published and recomputes the rest,
+    token-exact, in bounded time; fsck repairs the pool to clean."""
+    extended, expected = reference["extended"]
+    started = time.monotonic()
+    producer, stored = _engine(workdir, "producer-stopped", model,
+                               _decode(prompts) + _decode([extended]),
+                               kv=_tract(pool_path, 1, "kv_producer"),
+                               env=_armed("store.copied", after=2, action="stop"),
+                               background=True)
+    consumer, loaded = _engine(workdir, "consumer-after-stop", model,
+                               _waiting_for(stored, prompts),
+                               kv=_tract(pool_path, 2, "kv_consumer"), background=True)
+    processes += [producer, consumer]
+    _await_stop(producer, "producer-stopped")
+    joined = _epoch(pool_path, 1)
+    time.sleep(3 * LEASE)
+    os.kill(producer.pid, signal.SIGCONT)
+    produced = _assert_served(producer, "producer-stopped", stored)
+    served = _assert_served(consumer, "consumer-after-stop", loaded)
+    took = time.monotonic() - started
+    assert [o["tokens"] for o in produced["batches"][0]["outputs"]] == reference["tokens"]
+    assert produced["batches"][1]["outputs"][0]["tokens"] == expected
+    counters = _counters(pool_path)[1]
+    assert counters["not_stored"] > 0, f"the stopped store published after all: {counters}"
+    assert counters["fenced"] >= 1, f"the producer never fenced itself: {counters}"
+    assert counters["rejoins"] >= 1, f"the producer never rejoined: {counters}"
+    assert _epoch(pool_path, 1) > joined, "the producer rejoined as its lapsed incarnation"
+    outputs = served["batches"][0]["outputs"]
+    assert [o["tokens"] for o in outputs] == reference["tokens"]
+    external = [o["params"]["tract_external_tokens"] for o in outputs]
+    assert 0 < sum(external) < sum(len(p) - 1 for p in prompts), external
+    assert took < RECOVERY_S, f"producer and consumer took {took:.0f} s beside the stop"
+    _assert_repaired_clean(pool_path)
 
 
 #: rounds of the TTFT comparison (each runs every configuration once, in turn)
