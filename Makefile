@@ -23,7 +23,13 @@ $(STAMP): $(VENV)/bin/python $(SOURCES)
 	$(PY) setup.py -q build_ext --inplace
 	touch $(STAMP)
 
+# Mooncake's Python package comes with the test extra; its system library
+# (libibverbs1) is installed here when missing, where we are root (else the
+# demo names the command, and runs its other paths).
 demo: $(STAMP)
+	@ldconfig -p | grep -q libibverbs.so.1 || { if [ "$$(id -u)" = 0 ]; then \
+		apt-get update -qq && apt-get install -y -qq libibverbs1 >/dev/null; \
+	else echo "the demo's Mooncake path needs libibverbs1: sudo apt-get install -y libibverbs1"; fi; }
 	$(VENV)/bin/tract demo
 
 # Every tier, each timed (tests/tiers.py; the table is printed and written

@@ -157,16 +157,29 @@ def test_paired_ratios_are_taken_round_by_round():
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_demo_hands_kv_through_the_pool_token_exact(tmp_path):
+    """Every path runs (Mooncake's too: the test extra installs it), token-exact;
+    requests arrive at the stated share of the service rate measured first;
+    each KV load stands beside a cold memcpy of the same bytes; nothing is
+    printed but the progress bar."""
+    from tract.demo import PATHS
+
     done = _tract("demo", "--quick", "--json", "--out", str(tmp_path))
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout)
     assert report["token_exact"] is True
+    assert report["unavailable"] == {}, report["unavailable"]
+    assert report["service_rate_rps"] > 0
+    assert report["arrival_rate_rps"] == pytest.approx(0.7 * report["service_rate_rps"])
+    noise = [line for line in done.stderr.splitlines() if "tract demo" not in line and line]
+    assert noise == [], noise[:5]
     assert set(report["workloads"]) == {"hit25", "hit50", "hit75"}
     for paths in report["workloads"].values():
-        assert {"tract", "tcp", "tract_no_prefix_cache"} <= set(paths)
+        assert set(paths) == set(PATHS)
         for row in paths.values():
             assert row["mismatched"] == [] and row["requests"] == 5
             assert set(row["ttft_s"]) == {"mean", "p50", "p99"} and row["kv_load_s"]["mean"] > 0
+            assert row["kv_load_of_bound"] == pytest.approx(row["kv_memcpy_s"]
+                                                           / row["kv_load_s"]["mean"])
         assert paths["tract"]["hit_rate"] > 0 and paths["tcp"]["hit_rate"] == 0
     assert report["workloads"]["hit75"]["tract"]["hit_rate"] > \
         report["workloads"]["hit25"]["tract"]["hit_rate"]

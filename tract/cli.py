@@ -286,7 +286,7 @@ def _tier_check(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from tract import demo
 
-    return demo.main(quick=args.quick, as_json=args.json, out_dir=args.out)
+    return demo.main(quick=args.quick, as_json=args.json, out_dir=args.out, load=args.load)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -377,6 +377,9 @@ def main(argv: list[str] | None = None) -> int:
                                "across emulated nodes, KV through the pool vs TCP")
     demo.add_argument("--quick", action="store_true", help="a smaller run (under 2 minutes)")
     demo.add_argument("--out", default="tract-demo-out", help="where the JSON and plots go")
+    demo.add_argument("--load", type=float, default=0.7,
+                      help="requests arrive at this fraction of the rate the machine serves "
+                           "(measured first); default 0.7")
     demo.add_argument("--json", action="store_true", help="print one JSON object")
     demo.set_defaults(handler=_demo)
 
