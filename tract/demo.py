@@ -313,10 +313,34 @@ class KVServer:
         self.listener.close()
 
 
+@contextlib.contextmanager
+def _glog_muted():
+    """Mooncake's client logs its setup and teardown through glog, straight
+    to file descriptor 2 (no flag of the environment quiets it): that
+    descriptor goes to /dev/null meanwhile."""
+    sys.stderr.flush()
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
+
+
 def _mooncake(ports):
+    """A Mooncake Store client (its setup's logging muted); close it with
+    `_close_mooncake`."""
     from tract.bench.peers import mooncake_store
 
-    return mooncake_store(ports[0], ports[1], SEGMENT_MAX)
+    with _glog_muted():
+        return mooncake_store(ports[0], ports[1], SEGMENT_MAX)
+
+
+def _close_mooncake(store) -> None:
+    with _glog_muted():
+        store.close()
 
 
 def _kv_keys(rid: str, layers: int) -> list[str]:
@@ -384,7 +408,7 @@ def prefill_worker(path: str, node: int, config: DemoConfig, requests, handoff, 
         if server is not None:
             server.close()
         if store is not None:
-            store.close()
+            _close_mooncake(store)
 
 
 def decode_worker(path: str, node: int, config: DemoConfig, inbox, handoffs, results,
@@ -407,7 +431,7 @@ def decode_worker(path: str, node: int, config: DemoConfig, inbox, handoffs, res
         store = None
         if mooncake_ports:
             store = _mooncake(mooncake_ports)
-            stack.callback(store.close)
+            stack.callback(_close_mooncake, store)
             store.register_buffer(buffer.kv.ctypes.data, buffer.kv.nbytes)
         pulls: dict[int, socket.socket] = {}  # a prefill worker's KV port -> its socket
         while True:
@@ -470,9 +494,6 @@ def manage_locks(path: str, stop) -> None:
 def _mooncake_ports(stack) -> tuple[tuple[int, int] | None, str | None]:
     """Start a Mooncake master on 127.0.0.1 (stopped with ``stack``):
     its (rpc, metadata) ports, or None and why not."""
-    # Mooncake logs through glog to stderr, over the progress bar: errors only
-    # (glog reads this as the library loads, here, before the workers fork)
-    os.environ.setdefault("GLOG_minloglevel", "2")
     try:
         import mooncake.store  # noqa: F401
     except ImportError as error:
