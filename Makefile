@@ -31,6 +31,7 @@ demo: $(STAMP)
 		apt-get update -qq && apt-get install -y -qq libibverbs1 >/dev/null; \
 	else echo "the demo's Mooncake path needs libibverbs1: sudo apt-get install -y libibverbs1"; fi; }
 	$(VENV)/bin/tract demo
+	$(VENV)/bin/tract demo --experiment static
 
 # Every tier, each timed (tests/tiers.py; the table is printed and written
 # to out/test-times.json at the end, whether the run passed or failed), in

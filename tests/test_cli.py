@@ -2,6 +2,7 @@
 errors on bad pool files."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -191,6 +192,29 @@ def test_demo_hands_kv_through_the_pool_token_exact(tmp_path):
             assert image.read(8) == b"\x89PNG\r\n\x1a\n"
     with open(report["json"]) as saved:
         assert json.load(saved)["token_exact"] is True
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_demo_static_experiment_times_each_length_with_the_prefix_cache_off(tmp_path):
+    """Fig. 5's shape: fixed input lengths, 3 output tokens, the pool
+    without its prefix cache against TCP and Mooncake, token-exact; a
+    TTFT CDF per length, its title naming the machine and the load."""
+    done = _tract("demo", "--quick", "--experiment", "static", "--json", "--out",
+                  str(tmp_path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    assert report["token_exact"] is True and report["experiment"] == "static"
+    assert set(report["workloads"]) == {"len512", "len1024"}
+    for paths in report["workloads"].values():
+        assert set(paths) == {"tract_no_prefix_cache", "tcp", "mooncake_tcp"}
+        for row in paths.values():
+            assert row["hit_rate"] == 0 and row["mismatched"] == []
+    assert report["workloads"]["len1024"]["tcp"]["kv_bytes_per_request"] == \
+        2 * report["workloads"]["len512"]["tcp"]["kv_bytes_per_request"]
+    assert sorted(os.path.basename(plot) for plot in report["plots"]) == \
+        ["ttft_cdf_static_len1024.png", "ttft_cdf_static_len512.png"]
+    assert os.path.basename(report["json"]) == "demo_static.json"
 
 
 def test_bench_incoherent_reports_a_ratio(capsys):

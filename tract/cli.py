@@ -286,7 +286,8 @@ def _tier_check(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from tract import demo
 
-    return demo.main(quick=args.quick, as_json=args.json, out_dir=args.out, load=args.load)
+    return demo.main(quick=args.quick, as_json=args.json, out_dir=args.out, load=args.load,
+                     experiment=args.experiment)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -377,6 +378,10 @@ def main(argv: list[str] | None = None) -> int:
                                "across emulated nodes, KV through the pool vs TCP")
     demo.add_argument("--quick", action="store_true", help="a smaller run (under 2 minutes)")
     demo.add_argument("--out", default="tract-demo-out", help="where the JSON and plots go")
+    demo.add_argument("--experiment", choices=("workloads", "static"), default="workloads",
+                      help="workloads: three prefix-hit rates (the paper's Fig. 8/9); static: "
+                           "the prefix cache off, fixed input lengths, 3 output tokens "
+                           "(Fig. 5)")
     demo.add_argument("--load", type=float, default=0.7,
                       help="requests arrive at this fraction of the rate the machine serves "
                            "(measured first); default 0.7")

@@ -94,10 +94,23 @@ class DemoConfig:
     prefill_workers: int = 2
     seed: int = 0
     paths: tuple = PATHS
+    experiment: str = "workloads"  # or "static" (`static`)
+    lengths: tuple = ()  # the static experiment's input lengths
 
     @classmethod
     def quick(cls) -> DemoConfig:
         return cls(input_tokens=1024, output_tokens=32, requests=5, prefill_workers=1)
+
+    @classmethod
+    def static(cls, quick: bool = False) -> DemoConfig:
+        """The paper's Fig. 5 scaled to a CPU: the prefix cache off, fixed
+        input lengths, 3 output tokens; the pool without its prefix cache
+        against TCP and Mooncake."""
+        lengths = (512, 1024) if quick else (512, 1024, 2048, 3072)
+        return cls(experiment="static", lengths=lengths, input_tokens=max(lengths),
+                   output_tokens=3, requests=5 if quick else 12,
+                   prefill_workers=1 if quick else 2,
+                   paths=("tract_no_prefix_cache", "tcp", "mooncake_tcp"))
 
     @property
     def head_dim(self) -> int:
@@ -105,6 +118,8 @@ class DemoConfig:
 
     @property
     def max_tokens(self) -> int:
+        if self.experiment == "static":
+            return _whole(max(self.lengths)) + BLOCK
         return _whole(self.input_tokens * 5 // 4) + BLOCK
 
     def layout(self) -> KVLayout:
@@ -235,8 +250,13 @@ class Request:
 
 def workloads(config: DemoConfig) -> dict[str, list[np.ndarray]]:
     """Prompts per workload: a shared prefix (one of ``prefixes``) whose
-    length is the hit rate's share of the prompt, then a unique suffix."""
+    length is the hit rate's share of the prompt, then a unique suffix;
+    for the static experiment, prompts of each length sharing nothing."""
     rng = np.random.default_rng(config.seed + 1)
+    if config.experiment == "static":
+        return {f"len{length}": [rng.integers(0, config.vocab, _whole(length), dtype=np.int64)
+                                 for _ in range(config.requests)]
+                for length in config.lengths}
     out = {}
     for rate in config.hit_rates:
         prefixes = [rng.integers(0, config.vocab, config.max_tokens, dtype=np.int64)
@@ -659,7 +679,7 @@ def run(config: DemoConfig, progress: bool = True) -> dict:
 
 def _rate_prompts(config: DemoConfig) -> list[np.ndarray]:
     """The burst that measures the service rate: prompts of the mean
-    length, shared with no workload."""
+    length (the static experiment's longest), shared with no workload."""
     rng = np.random.default_rng(config.seed + 2)
     return [rng.integers(0, config.vocab, _whole(config.input_tokens), dtype=np.int64)
             for _ in range(3 * config.prefill_workers + 1)]
@@ -736,11 +756,11 @@ def _report(config, runs, expected, counters, unavailable) -> dict:
             row["kv_load_of_bound"] = memcpy[size] / row["kv_load_s"]["mean"]
     ratios = {}
     for workload, paths in workloads_out.items():
-        if "tract" in paths:
-            ratios[workload] = {name: row["kv_load_s"]["mean"] /
-                                paths["tract"]["kv_load_s"]["mean"]
+        ours = next((name for name in ("tract", "tract_no_prefix_cache") if name in paths), None)
+        if ours is not None:
+            ratios[workload] = {name: row["kv_load_s"]["mean"] / paths[ours]["kv_load_s"]["mean"]
                                 for name, row in paths.items() if name in NETWORK_PATHS}
-    return {"token_exact": exact, "config": asdict(config),
+    return {"token_exact": exact, "experiment": config.experiment, "config": asdict(config),
             "kv_block_bytes": config.layout().block_bytes, "workloads": workloads_out,
             "kv_load_speedup": ratios, "unavailable": unavailable,
             "pool_counters": {str(node): c for node, c in counters.items()}}
@@ -771,12 +791,19 @@ def _table(report: dict) -> str:
 
 
 def _plots(report: dict, out_dir: str) -> list[str]:
-    """One TTFT CDF per workload, a curve per path (PNG)."""
+    """One TTFT CDF per workload, a curve per path (PNG), titled with the
+    machine and the load."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from tract.bench import machine
+
+    where = machine()
+    load = f"{report['arrival_rate_rps']:.2f} req/s"
+    if report["service_rate_rps"] is not None:
+        load += f" ({report['config']['load']:.1f} of {report['service_rate_rps']:.2f} served)"
     written = []
     for workload, paths in report["workloads"].items():
         figure, axes = plt.subplots(figsize=(6, 4))
@@ -786,20 +813,31 @@ def _plots(report: dict, out_dir: str) -> list[str]:
                       label=name)
         axes.set_xlabel("TTFT (ms)")
         axes.set_ylabel("fraction of requests")
-        axes.set_title(f"TTFT CDF, workload {workload}")
+        axes.set_title(f"TTFT CDF, {report['experiment']} {workload}: "
+                       f"{where['cpu_model'][:40]}, {where['cores']} cores, {load}",
+                       fontsize=8)
         axes.grid(alpha=0.3)
         axes.legend()
         figure.tight_layout()
-        target = os.path.join(out_dir, f"ttft_cdf_{workload}.png")
+        target = os.path.join(out_dir, f"ttft_cdf_{report['experiment']}_{workload}.png")
         figure.savefig(target, dpi=100)
         plt.close(figure)
         written.append(target)
     return written
 
 
+EXPERIMENTS = ("workloads", "static")
+
+
 def main(quick: bool = False, as_json: bool = False, out_dir: str = "tract-demo-out",
-         config: DemoConfig | None = None, load: float | None = None) -> int:
-    config = config or (DemoConfig.quick() if quick else DemoConfig())
+         config: DemoConfig | None = None, load: float | None = None,
+         experiment: str = "workloads") -> int:
+    if experiment not in EXPERIMENTS:
+        raise ConfigError(f"the demo's experiments are {', '.join(EXPERIMENTS)}; got "
+                          f"{experiment!r}")
+    if config is None:
+        config = DemoConfig.static(quick) if experiment == "static" else \
+            DemoConfig.quick() if quick else DemoConfig()
     if load is not None:
         config.load = load
     if config.output_tokens < 2 or config.requests < 1:
@@ -812,7 +850,8 @@ def main(quick: bool = False, as_json: bool = False, out_dir: str = "tract-demo-
     report["seconds"] = time.monotonic() - started
     os.makedirs(out_dir, exist_ok=True)
     report["plots"] = _plots(report, out_dir)
-    report["json"] = os.path.join(out_dir, "demo.json")
+    report["json"] = os.path.join(out_dir, "demo.json" if config.experiment == "workloads"
+                                  else f"demo_{config.experiment}.json")
     with open(report["json"], "w") as out:
         json.dump(report, out, indent=2)
     if as_json:
