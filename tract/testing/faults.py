@@ -30,7 +30,8 @@ Points (`POINTS`):
 ``evict.marked``
     eviction: entries marked EVICTING (in memory), pins not yet read;
 ``load.pinned``
-    `Connector.load`: its hits pinned, not yet copied into the engine;
+    `Connector.load` and `Connector.take`: the hits pinned, not yet copied
+    into the engine's blocks;
 ``handoff.pinned`` / ``handoff.released``
     `Connector.offer`: blocks pinned, no handoff record yet / an offer's
     pins dropped, its record not yet queued for freeing.
