@@ -223,6 +223,7 @@ def test_the_fsck_rule_sees_what_it_looks_for():
 NOT_MUTATED = {
     "tract.bench.region": "times the primitives themselves (a benchmark, no protocol step)",
     "tract.bench.transfer": "drops the cache before a timed read (a benchmark, no protocol step)",
+    "tract.demo": "sys.stderr.flush() is a file's, not cache control",
     "tract.integrations.vllm_proxy": "wfile.flush() is a socket file's, not cache control",
     "tract.testing.bench_scale": "a benchmark: each simulated host starts fresh once the "
                                  "pool is formatted (no protocol step)",
