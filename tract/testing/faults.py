@@ -310,8 +310,11 @@ def _worker(path, node, seed, point_name, after, stop, progress, failures, ticke
                         removed = connector.remove(tokens)
                         recorder.end(name, "remove", removed=removed.tolist())
                 except PoolFull:
-                    if held:
-                        release(held.pop())
+                    try:
+                        if held:
+                            release(held.pop())
+                    except LeaseLost:  # lapsed meanwhile: the rest go at the next renew
+                        pass
                 except LeaseLost:
                     pass  # fenced (R6): its grant or its own lease lapsed; nothing published
                 progress[node] += 1
