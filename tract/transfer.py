@@ -135,6 +135,9 @@ class TransferEngine:
     def __init__(self, pool, layout: KVLayout, checksum: bool = True):
         self.pool, self.region, self.layout = pool, pool.region, layout
         self.checksum = checksum
+        self._accepted = {np.dtype(np.uint8)}
+        if layout.dtype in np.sctypeDict:
+            self._accepted.add(np.dtype(layout.dtype))
         self.seed = int.from_bytes(pool.header.hash_key[8:16], "little")
         self._cuda = None
 
@@ -147,7 +150,8 @@ class TransferEngine:
             raise ValueError(f"{len(offsets)} offsets but {len(blocks)} blocks")
         piece, want = self.layout.piece_bytes, self.layout.block_bytes
         dtype = self.layout.dtype
-        views, where = [], []
+        accepted = self._accepted  # numpy types taken without a name check (a segment
+        views, where = [], []      # per layer and K/V: thousands per load)
         for row, (offset, block) in enumerate(zip(np.asarray(offsets).tolist(), blocks)):
             if type(block) is np.ndarray and block.nbytes == want and block.flags.c_contiguous \
                     and block.dtype == np.uint8:
@@ -157,14 +161,15 @@ class TransferEngine:
             segments = block if isinstance(block, (list, tuple)) else [block]
             total = 0
             for segment in segments:
-                typed = _dtype_name(segment)
-                if typed is not None and typed != dtype:
-                    raise ValueError(f"block {row}: a {typed} buffer, but layout "
-                                     f"{self.layout.model!r} holds {dtype} (raw uint8 bytes "
-                                     f"are taken as they are)")
-                if type(segment) is np.ndarray and segment.flags.c_contiguous:
+                if type(segment) is np.ndarray and segment.dtype in accepted \
+                        and segment.flags.c_contiguous:
                     view, size = segment, segment.nbytes  # taken as is: no view to make
                 else:
+                    typed = _dtype_name(segment)
+                    if typed is not None and typed != dtype:
+                        raise ValueError(f"block {row}: a {typed} buffer, but layout "
+                                         f"{self.layout.model!r} holds {dtype} (raw uint8 "
+                                         f"bytes are taken as they are)")
                     view = _bytes_of(segment)
                     size = view.nbytes
                 if size % piece:

@@ -112,7 +112,7 @@ module only translates):
 - **Metrics**: vLLM counts tract's hits as ``host`` in
   ``vllm:prompt_tokens_cached_by_source``; `get_kv_connector_stats` reports the connector's counts per
   step (`TractConnectorStats`: hits, misses, stored and not stored
-  blocks, bytes, checksum failures, and each asynchronous job's time);
+  blocks, bytes, checksum failures, and each load's and store's time);
   `build_prom_metrics` puts them on vLLM's ``/metrics`` as ``vllm:tract_*``
   (`TractPromMetrics`); the pool keeps every node's counters too
   (`tract stat`).
@@ -157,7 +157,8 @@ log = logging.getLogger(__name__)
 STAT_NAMES = ("lookups", "hit_blocks", "miss_blocks", "stored_blocks", "not_stored",
               "read_bytes", "written_bytes", "checksum_failures", "tier_hit_blocks",
               "tier_promotions", "tier_failures", "fenced", "rejoins")
-#: the asynchronous jobs' times reported per step (seconds, from submission to the end)
+#: the transfer jobs' times reported per step (seconds: an asynchronous job's from its
+#: submission, queueing included, to its end; a synchronous one's inside the step)
 LATENCY_NAMES = ("load_seconds", "save_seconds")
 #: vLLM's base classes across versions: SupportsHMA (0.32 and later) and the
 #: transfer results with failed receives (0.33)
@@ -442,8 +443,8 @@ def _stored_events(hashes, parent, tokens, kept: list[int], block_size: int,
 class TractPromMetrics(getattr(_metrics, "KVConnectorPromMetrics", object)):
     """tract's connector on vLLM's ``/metrics``: a counter
     ``vllm:tract_<count>`` per `STAT_NAMES` entry and a histogram
-    ``vllm:tract_<load|save>_seconds`` of the asynchronous jobs' times
-    (queueing included), one child per engine."""
+    ``vllm:tract_<load|save>_seconds`` of the jobs' times (an asynchronous
+    one's queueing included), one child per engine."""
 
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
@@ -452,7 +453,8 @@ class TractPromMetrics(getattr(_metrics, "KVConnectorPromMetrics", object)):
             labelnames=labelnames)) for name, text in STAT_HELP.items()}
         self.histograms = {name: self._per_engine(self._histogram_cls(
             name=f"vllm:tract_{name}",
-            documentation=f"tract: seconds a {name.split('_')[0]} took, queueing included",
+            documentation=f"tract: seconds a {name.split('_')[0]} took (an asynchronous "
+                          f"one's queueing included)",
             buckets=LATENCY_BUCKETS, labelnames=labelnames)) for name in LATENCY_NAMES}
 
     def _per_engine(self, metric):
@@ -926,7 +928,10 @@ class TractConnector(KVConnectorBase_V1, SupportsHMA):
             if job.asynchronous:
                 self._queue("load", job, self._load)
             else:
-                self._loaded(job, self._load(job))
+                began = time.monotonic()
+                loaded = self._load(job)
+                self._latencies["load_seconds"].append(time.monotonic() - began)
+                self._loaded(job, loaded)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Loads finished in `start_load_kv`, or run on the transfer thread."""
@@ -941,7 +946,10 @@ class TractConnector(KVConnectorBase_V1, SupportsHMA):
             if job.asynchronous:
                 self._queue("save", job, self._save)
             else:
-                self._ended_store(job, self._save(job))
+                began = time.monotonic()
+                saved = self._save(job)
+                self._latencies["save_seconds"].append(time.monotonic() - began)
+                self._ended_store(job, saved)
 
     def _transfer_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         """(requests whose delayed free may end: finished, every store of

@@ -4,7 +4,11 @@ Each completion request goes first to a prefill instance with
 ``max_tokens=1`` (its connector stores the prompt's blocks in the pool),
 then, unchanged, to a decode instance (its connector finds the blocks by
 their block hashes and loads them): no KV and no transfer parameters pass
-through the proxy.  Instances of each kind are taken in turn.
+through the proxy.  Instances of each kind are taken in turn.  The
+decode request is sent once the prefill answered, so the prefill instances
+store inside their step (``"async_saves": false`` in their
+``kv_connector_extra_config``): a store still queued when the answer goes
+out would be a miss the decode instance recomputes.
 
     python -m tract.integrations.vllm_proxy --port 8000 \\
         --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200
