@@ -50,6 +50,8 @@ def test_corrupted_metadata_gives_clear_errors_or_repairs():
     done = subprocess.run([sys.executable, "-m", "tract.testing.fuzz", "--cases", "400",
                            "--seed", "0", "--json"], capture_output=True, text=True,
                           timeout=1200)
+    assert done.stdout, f"the campaign printed no report (exit {done.returncode}):\n" \
+                        f"{done.stderr[-4000:]}"
     report = json.loads(done.stdout)
     print(f"\nmetadata fuzzing: {report['cases']} corruptions, {report['clear_errors']} "
           f"clear errors, by area {report['by_area']}")

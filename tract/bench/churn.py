@@ -50,6 +50,9 @@ ROLES = {"writer": 1, "reader": 2, "evictor": 3, "producer": 4, "consumer": 5}
 TIMED = {"store": "writer", "load": "reader", "take": "consumer", "copy": "reader"}
 ALONE = {"store": ("writer",), "load": ("reader",), "take": ("producer", "consumer")}
 READ_PROMPTS = 64  # prompts the reader loads, stored before each phase
+#: a timed role goes on past its phase's end until it timed this many operations
+#: (a loaded machine may give it few in `SECONDS`), for at most `OVERTIME` seconds
+MIN_TIMED, OVERTIME = 5, 60.0
 
 
 def _layout():
@@ -64,10 +67,13 @@ def _tokens(prompt: int) -> np.ndarray:
     return np.random.default_rng(prompt).integers(0, 50_000, PROMPT_BLOCKS * BLOCK_TOKENS)
 
 
-def _role(path, role, seconds, start, results, tickets, seed) -> None:
-    """One role's process: warm up, wait for ``start``, then its paced loop
-    for ``seconds``; puts (role, latencies in ns, lock waits, lock wait ns,
-    the reader's control copies' latencies in ns)."""
+def _role(path, role, seconds, ready, start, enough, results, tickets, seed) -> None:
+    """One role's process: warm up, say so on ``ready``, wait for
+    ``start``, then its paced loop for ``seconds`` (a timed role's until it
+    timed `MIN_TIMED` operations, the producer's until the consumer did:
+    ``enough``, each for at most `OVERTIME` more); puts (role, latencies in
+    ns, lock waits, lock wait ns, the reader's control copies' latencies in
+    ns)."""
     from tract.connector import NO_OFFER, Connector
     from tract.errors import LeaseLost
     from tract.pool import Pool
@@ -127,14 +133,29 @@ def _role(path, role, seconds, start, results, tickets, seed) -> None:
             if role == "consumer" and tickets.empty():
                 break
             once()
+        ready.put(role)
         start.wait()
         copies.clear()
         before = pool.counters().get(pool.node, {})
         latencies, deadline = [], time.monotonic() + seconds
-        while time.monotonic() < deadline:
+        timed = role in TIMED.values()
+
+        def going() -> bool:
+            now = time.monotonic()
+            if now < deadline:
+                return True
+            if now > deadline + OVERTIME:
+                return False
+            if role == "producer":
+                return not enough.is_set()
+            return timed and len(latencies) < MIN_TIMED
+
+        while going():
             took = once()
             if took is not None:
                 latencies.append(took)
+                if role == "consumer" and len(latencies) >= MIN_TIMED:
+                    enough.set()
             time.sleep(PACE)
         after = pool.counters().get(pool.node, {})
         kv.close()
@@ -145,19 +166,23 @@ def _role(path, role, seconds, start, results, tickets, seed) -> None:
 def _phase(path: str, roles, seconds: float, context, seed: int) -> dict:
     """Run ``roles`` at once for ``seconds``; {role: (latencies, lock waits,
     wait ns)}, and the reader's control copies as role ``copy``."""
-    start, results = context.Event(), context.Queue()
+    ready, start, enough, results = context.Queue(), context.Event(), context.Event(), \
+        context.Queue()
     tickets = context.Queue(maxsize=8)
-    processes = [context.Process(target=_role, args=(path, role, seconds, start, results,
-                                                     tickets, seed + index), daemon=True)
+    processes = [context.Process(target=_role, args=(path, role, seconds, ready, start, enough,
+                                                     results, tickets, seed + index),
+                                 daemon=True)
                  for index, role in enumerate(roles)]
     for process in processes:
         process.start()
     try:
-        time.sleep(1.0)  # every role opened and warmed up (the consumer waits for tickets)
+        for _ in processes:  # every role opened and warmed up, however loaded the machine
+            ready.get(timeout=300)
         start.set()
         found = {}
         for _ in processes:
-            role, latencies, waits, wait_ns, copies = results.get(timeout=120 + 4 * seconds)
+            role, latencies, waits, wait_ns, copies = results.get(
+                timeout=120 + 4 * seconds + OVERTIME)
             found[role] = (np.asarray(latencies, np.int64), waits, wait_ns)
             if copies:
                 found["copy"] = (np.asarray(copies, np.int64), 0, 0)
