@@ -677,19 +677,24 @@ def test_killed_allocators_are_reclaimed_by_fsck(pool_path):
     context = multiprocessing.get_context("spawn")
     with Pool.open(pool_path, 0, manager=True) as survivor:
         ready = [context.Event() for _ in range(3)]
-        victims = [context.Process(target=_allocate_forever, args=(pool_path, node, event))
+        victims = [context.Process(target=_allocate_forever, args=(pool_path, node, event),
+                                   daemon=True)
                    for node, event in zip([2, 1, 1], ready)]
         for victim in victims:
             victim.start()
-        for event in ready:
-            assert event.wait(60)
-        os.kill(victims[0].pid, signal.SIGKILL)  # one process, its node stays alive
-        kept = [survivor.alloc(50_000, timeout=10) for _ in range(10)]
-        for victim in victims[1:]:  # a whole node
-            os.kill(victim.pid, signal.SIGKILL)
-        kept += [survivor.alloc(50_000, timeout=10) for _ in range(10)]
-        for victim in victims:
-            victim.join(30)
+        try:
+            for event in ready:
+                assert event.wait(60)
+            os.kill(victims[0].pid, signal.SIGKILL)  # one process, its node stays alive
+            kept = [survivor.alloc(50_000, timeout=10) for _ in range(10)]
+            for victim in victims[1:]:  # a whole node
+                os.kill(victim.pid, signal.SIGKILL)
+            kept += [survivor.alloc(50_000, timeout=10) for _ in range(10)]
+        finally:  # killed however the test went: none allocates on
+            for victim in victims:
+                if victim.is_alive():
+                    victim.kill()
+                victim.join(30)
         survivor.objects.put("kept", kept[0], 50_000)
         report = fsck(pool_path, repair=True, node=3)
         assert report["ok"], report["problems"]

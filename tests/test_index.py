@@ -857,15 +857,22 @@ def test_processes_on_several_nodes_read_only_their_keys(pool_path):
         roles = [(1, "writer"), (2, "writer"), (2, "evictor"), (3, "reader"), (3, "reader"),
                  (1, "reader")]
         workers = [context.Process(target=_index_worker,
-                                   args=(pool_path, node, seed, 60, role, results, settled))
+                                   args=(pool_path, node, seed, 60, role, results, settled),
+                                   daemon=True)
                    for seed, (node, role) in enumerate(roles)]
         for worker in workers:
             worker.start()
-        for count, worker in enumerate(workers, 1):
-            worker.join(180)
-            assert worker.exitcode == 0
-            if count == 3:  # the writers and the evictor: the readers see a settled table
-                settled.set()
+        try:
+            for count, worker in enumerate(workers, 1):
+                worker.join(180)
+                assert worker.exitcode == 0
+                if count == 3:  # the writers and the evictor: the readers see a settled table
+                    settled.set()
+        finally:  # a failed worker leaves no reader waiting for ever
+            for worker in workers:
+                if worker.is_alive():
+                    worker.kill()
+                    worker.join()
         served = sum(results.get(timeout=5)[2] for _ in workers)
         assert served > 20
     report = fsck(pool_path, watch=False)
