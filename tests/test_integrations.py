@@ -13,10 +13,11 @@ from tract.transfer import KVLayout
 
 def test_options_read_prefixed_keys_and_refuse_bad_ones():
     opts = common.options({"tract.pool": "/dev/dax0.0", "tract.node": "3", "tract.salt": 7,
-                           "tract.checksum": "false", "tract.timeout": "2.5", "other": 1},
+                           "tract.checksum": "false", "tract.timeout": "2.5",
+                           "tract.load_threads": "3", "other": 1},
                           "LMCache extra_config", "tract.")
     assert opts == common.Options(pool="/dev/dax0.0", node=3, manager=False, checksum=False,
-                                  salt="7", timeout=2.5)
+                                  salt="7", timeout=2.5, load_threads=3)
     assert common.options({"pool": "p", "node": 0, "model_id": "m"}, "vLLM").node == 0
     for config, match in [({"tract.node": 1}, "needs 'tract.pool'"),
                           ({"tract.pool": "p"}, "needs 'tract.node'"),
@@ -29,7 +30,11 @@ def test_options_read_prefixed_keys_and_refuse_bad_ones():
                           ({"tract.pool": "p", "tract.node": 1, "tract.timeout": 0},
                            "timeout must be positive"),
                           ({"tract.pool": "p", "tract.node": 1, "tract.manager": "yes"},
-                           "manager must be true or false")]:
+                           "manager must be true or false"),
+                          ({"tract.pool": "p", "tract.node": 1, "tract.load_threads": 0},
+                           "load_threads must be a positive int"),
+                          ({"tract.pool": "p", "tract.node": 1, "tract.load_threads": "two"},
+                           "load_threads must be a positive int")]:
         with pytest.raises(ConfigError, match=match):
             common.options(config, "LMCache extra_config", "tract.")
 

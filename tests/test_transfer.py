@@ -3,6 +3,8 @@
 or torch), checksums that catch a flipped byte and do not depend on how a
 block is split, fresh reads (R4), and bad input."""
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -126,6 +128,60 @@ def test_a_flipped_byte_is_a_miss_for_that_block_only(pool):
     assert (unchecked.store(offsets, blocks) == 0).all()
 
 
+def _load_threads():
+    return [thread for thread in threading.enumerate() if thread.name.startswith("tract-load")]
+
+
+@pytest.mark.parametrize("split", ["whole", "layer", "piece"])
+def test_a_load_spread_over_threads_is_the_one_thread_load(pool, split):
+    """A load of `SPLIT_LOAD_BYTES` or more on 1, 2 and 3 threads: the same
+    bytes and the same verdicts (a flipped byte is a miss for its block
+    only, wherever the threads' shares were cut); below the size, and while
+    a cache-control trace is on, the caller copies alone (the trace shows
+    every range dropped, then one fence, then nothing more)."""
+    from tract.transfer import SPLIT_LOAD_BYTES
+
+    layout = _layout("float32", num_layers=4, num_kv_heads=4, head_size=64, block_size=32)
+    count = -(-SPLIT_LOAD_BYTES // layout.block_bytes) + 3
+    blocks = _blocks(layout, count, 3)
+    offsets = [pool.alloc(layout.block_bytes) for _ in blocks]
+    sums = TransferEngine(pool, layout, load_threads=1).store(offsets, blocks)
+    row = count // 2  # where two threads' shares meet
+    where = offsets[row] + layout.block_bytes - 1
+    byte = pool.region.load_u8(where)
+    pool.region.store_u8(where, byte ^ 1)
+    pool.region.flush(where, 1)
+    pool.region.fence()
+    results = []
+    for threads in (1, 2, 3):
+        engine = TransferEngine(pool, layout, load_threads=threads)
+        outs = [np.zeros(layout.block_bytes, np.uint8) for _ in blocks]
+        good = engine.load(offsets, [_split(out, layout, split) if split != "whole" else out
+                                     for out in outs], sums)
+        results.append((good.tolist(), b"".join(out.tobytes() for out in outs)))
+        assert len(_load_threads()) == threads - 1
+        engine.close()
+        assert not _load_threads()
+    assert results[0][0] == [i != row for i in range(count)]
+    assert results[1] == results[0] and results[2] == results[0]
+    engine = TransferEngine(pool, layout, load_threads=2)
+    outs = [np.zeros(layout.block_bytes, np.uint8) for _ in blocks]
+    pool.region.trace_start(1 << 20)
+    try:
+        engine.load(offsets, outs, sums)
+    finally:
+        trace = pool.region.trace_stop()
+    assert not _load_threads()
+    fences = np.flatnonzero(trace[:, 1] == -1)
+    assert len(fences) >= 1 and trace[fences[0]:, 1].tolist() == [-1] * (len(trace) - fences[0])
+    lines = trace[:fences[0], 1]
+    assert len(lines) == count * layout.block_bytes // 64
+    engine.close()
+    for threads in (0, -1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="load_threads must be a positive int"):
+            TransferEngine(pool, layout, load_threads=threads)
+
+
 def test_layouts_name_every_field():
     layout = _layout()
     assert layout.block_bytes == 3 * 2 * 2 * 8 * 4 * 2 and layout.pieces == 6
@@ -192,6 +248,7 @@ def test_bench_transfer_reports_every_figure_against_its_baseline():
     for label in ("256KiBx256", "2MiBx32", "16MiBx4"):
         for kind, baseline in [("put", "nt_copy"), ("get", "memcpy"), ("get", "memcpy_cached"),
                                ("put,no-checksum", "nt_copy"), ("get,no-checksum", "memcpy"),
+                               ("get,1-thread", "memcpy"),
                                ("handoff", "two_copy_best"), ("handoff", "two_copy_memcpy"),
                                ("handoff", "tcp_loopback"),
                                ("two_copy_best", "tcp_loopback")]:

@@ -124,14 +124,15 @@ class Connector:
     def __init__(self, pool, layout: KVLayout, *, checksum: bool = True,
                  handoff_ttl: float = 30.0, salt: str | bytes | None = None,
                  timeout: float | None = 30.0, tier: Tier | str | None = None,
-                 tier_policy: str = "write_through"):
+                 tier_policy: str = "write_through", load_threads: int | None = None):
         if tier_policy not in POLICIES:
             raise ValueError(f"tier_policy must be one of {POLICIES}, got {tier_policy!r}")
         if tier is not None and not isinstance(tier, (Tier, str)):
             raise ValueError(f"tier must be a tract.tier.Tier or its URL, got "
                              f"{type(tier).__name__}")
         self.pool, self.layout, self.index = pool, layout, pool.index
-        self.transfer = TransferEngine(pool, layout, checksum=checksum)
+        self.transfer = TransferEngine(pool, layout, checksum=checksum,
+                                       load_threads=load_threads)
         self.handoff = HandoffRecords(pool)
         self.hasher = BlockHasher(pool.header.hash_key, layout.block_size,
                                   namespace=layout.namespace(), salt=salt)

@@ -114,8 +114,12 @@ def make_model_dir(config: VllmDemoConfig, target: str) -> str:
     words = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     words.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
-    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="<unk>", bos_token="<s>",
-                            eos_token="</s>").save_pretrained(target)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, unk_token="<unk>",
+                                        bos_token="<s>", eos_token="</s>")
+    # a chat template, which Dynamo's frontend asks of every model (the messages'
+    # texts in turn); the completions these tests and demos send never use it
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    tokenizer.save_pretrained(target)
     return target
 
 
@@ -219,13 +223,17 @@ def _example_kv(directory: str, role: str) -> dict:
 
 # ----------------------------------------------------------------- client
 
-def complete(url: str, prompt: list[int], max_tokens: int, timeout: float = 600.0) -> dict:
-    """One streamed greedy completion: ``ttft_s`` (from the request to the
-    first token's chunk), ``seconds`` (to the last) and ``text``."""
+def complete(url: str, prompt: list[int], max_tokens: int, timeout: float = 600.0,
+             model: str = SERVED, **fields) -> dict:
+    """One streamed greedy completion of ``model`` at ``url`` (an OpenAI
+    server: vLLM's, the P/D proxy, Dynamo's frontend): ``ttft_s`` (from the
+    request to the first token's chunk), ``seconds`` (to the last),
+    ``text``, and ``nvext``, the chunks' Dynamo extension fields merged.
+    ``fields``: more of the request's body (Dynamo's ``nvext``, say)."""
     host, port = url.removeprefix("http://").split(":")
-    body = json.dumps({"model": SERVED, "prompt": prompt, "max_tokens": max_tokens,
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens,
                        "temperature": 0.0, "ignore_eos": True, "stream": True,
-                       "skip_special_tokens": False}).encode()
+                       "skip_special_tokens": False, **fields}).encode()
     connection = http.client.HTTPConnection(host, int(port), timeout=timeout)
     began = time.perf_counter()
     try:
@@ -234,7 +242,7 @@ def complete(url: str, prompt: list[int], max_tokens: int, timeout: float = 600.
         response = connection.getresponse()
         if response.status != 200:
             raise RuntimeError(f"{url} answered {response.status}: {response.read()[:2000]!r}")
-        first, pieces = None, []
+        first, pieces, extension = None, [], {}
         for line in response:
             line = line.strip()
             if not line.startswith(b"data: ") or line == b"data: [DONE]":
@@ -244,8 +252,9 @@ def complete(url: str, prompt: list[int], max_tokens: int, timeout: float = 600.
             if text and first is None:
                 first = time.perf_counter() - began
             pieces.append(text)
+            extension.update(chunk.get("nvext") or {})
         return {"ttft_s": first, "seconds": time.perf_counter() - began,
-                "text": "".join(pieces)}
+                "text": "".join(pieces), "nvext": extension}
     finally:
         connection.close()
 

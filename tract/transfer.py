@@ -34,14 +34,25 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from tract._native._region import xxh64_rows
+from tract._native._region import Region, xxh64_rows
 from tract.errors import ConfigError, CudaError
 
-__all__ = ["DTYPE_BYTES", "CudaError", "KVLayout", "TransferEngine"]
+__all__ = ["DTYPE_BYTES", "LOAD_THREADS", "SPLIT_LOAD_BYTES", "CudaError", "KVLayout",
+           "TransferEngine"]
+
+#: threads a large load's copy is spread over by default: one core's loads
+#: reach about 0.6 of memcpy on this kind of machine, two about 0.9
+#: (FACTS.md; `tract bench transfer`)
+LOAD_THREADS = min(2, len(os.sched_getaffinity(0)))
+#: a load of fewer bytes is copied by its caller alone (a thread's hand-off
+#: costs more than it saves)
+SPLIT_LOAD_BYTES = 4 << 20
 
 #: bytes per element of each KV dtype an engine may use
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1,
@@ -132,9 +143,16 @@ def _bytes_of(block) -> memoryview:
 class TransferEngine:
     """Copies whole blocks between engine memory and pool ranges."""
 
-    def __init__(self, pool, layout: KVLayout, checksum: bool = True):
+    def __init__(self, pool, layout: KVLayout, checksum: bool = True,
+                 load_threads: int | None = None):
+        if load_threads is None:
+            load_threads = LOAD_THREADS
+        if not isinstance(load_threads, int) or isinstance(load_threads, bool) \
+                or load_threads < 1:
+            raise ValueError(f"load_threads must be a positive int, got {load_threads!r}")
         self.pool, self.region, self.layout = pool, pool.region, layout
-        self.checksum = checksum
+        self.checksum, self.load_threads = checksum, load_threads
+        self._helpers: ThreadPoolExecutor | None = None  # made by the first split load
         self._accepted = {np.dtype(np.uint8)}
         if layout.dtype in np.sctypeDict:
             self._accepted.add(np.dtype(layout.dtype))
@@ -253,11 +271,47 @@ class TransferEngine:
         where, views = self._segments(offsets, blocks)
         verify = self.checksum and checksums is not None
         digests = np.zeros(len(blocks) * self.layout.pieces, np.uint64) if verify else None
-        self.region.copy_out_blocks(where, views, digests, self.seed, self.layout.piece_bytes)
+        self._copy_out(where, views, digests, len(blocks) * self.layout.block_bytes)
         if not verify:
             return np.ones(len(blocks), dtype=np.bool_)
         return self.block_sums(digests) == (np.asarray(checksums, dtype=np.uint64)
                                        & np.uint64(0xFFFFFFFF))
+
+    def _copy_out(self, where: np.ndarray, views: list, digests, total: int) -> None:
+        """`Region.copy_out_blocks` over the segments, spread over
+        ``load_threads`` threads when the load is `SPLIT_LOAD_BYTES` or
+        more: each thread's share, a run of whole segments (so of whole
+        pieces: its digests are its own slice), is one call, which drops its
+        ranges, fences and copies them (R4 holds for each).  Not on a
+        simulated region, nor while a cache-control trace is on (the native
+        trace records every thread)."""
+        piece = self.layout.piece_bytes
+        threads = self.load_threads if total >= SPLIT_LOAD_BYTES else 1
+        if threads == 1 or type(self.region) is not Region or self.region.tracing \
+                or len(views) < threads:
+            self.region.copy_out_blocks(where, views, digests, self.seed, piece)
+            return
+        if self._helpers is None:
+            self._helpers = ThreadPoolExecutor(self.load_threads - 1,
+                                               thread_name_prefix="tract-load")
+        ends = np.cumsum([view.nbytes for view in views])
+        cuts = [0, *np.searchsorted(ends, [total * k // threads for k in range(1, threads)],
+                                    side="right").tolist(), len(views)]
+        shares = []
+        for first, last in zip(cuts, cuts[1:]):
+            if first == last:
+                continue
+            low = int(ends[first - 1]) // piece if first else 0
+            high = int(ends[last - 1]) // piece
+            shares.append((where[first:last], views[first:last],
+                           None if digests is None else digests[low:high], self.seed, piece))
+        pending = [self._helpers.submit(self.region.copy_out_blocks, *share)
+                   for share in shares[1:]]
+        try:
+            self.region.copy_out_blocks(*shares[0])
+        finally:
+            for future in pending:
+                future.result()
 
     # -------------------------------------------------------------- CUDA
 
@@ -274,7 +328,11 @@ class TransferEngine:
         return self._cuda
 
     def close(self) -> None:
-        """Unregister the mapping from CUDA (when it was registered)."""
+        """Unregister the mapping from CUDA (when it was registered); end
+        the load threads (when a load started them)."""
         if self._cuda is not None:
             self._cuda.close()
             self._cuda = None
+        if self._helpers is not None:
+            self._helpers.shutdown()
+            self._helpers = None

@@ -365,7 +365,8 @@ def test_a_producer_whose_pool_is_too_small_serves_on_and_counts_what_it_did_not
         with Pool.observe(path) as pool:
             assert pool.header.nchunks == 6
         producer = _engine(workdir, "producer-small", model, _decode(prompts),
-                           kv=_tract(path, 1, "kv_producer", events_sweep=0), kv_events=True)
+                           kv=_tract(path, 1, "kv_producer", events_sweep=0,
+                                     events_medium="CPU"), kv_events=True)
         assert [o["tokens"] for o in producer["batches"][0]["outputs"]] == reference["tokens"]
         counters = _counters(path)[1]
         assert counters["not_stored"] > 0, counters
@@ -376,7 +377,7 @@ def test_a_producer_whose_pool_is_too_small_serves_on_and_counts_what_it_did_not
         stored = [h for e in producer["events"] if e["kind"] == "stored" for h in e["hashes"]]
         removed = [h for e in producer["events"] if e["kind"] == "removed" for h in e["hashes"]]
         assert removed, "no announced block was found evicted"
-        assert {e["medium"] for e in producer["events"]} == {"CXL"}
+        assert {e["medium"] for e in producer["events"]} == {"CPU"}  # as configured
         assert len(set(removed)) == len(removed) and set(removed) <= set(stored)
         # every block reported removed is gone from the pool
         with Pool.open(path, 7) as pool:
@@ -936,6 +937,9 @@ def test_metrics_reach_vllms_prometheus_exposition_and_stats_aggregate():
     ({"pool": "p", "node": 1, "asynch": True}, r"unknown key\(s\) \['asynch'\]"),
     ({"pool": "p", "node": 1, "async": "maybe"}, "async must be true or false"),
     ({"pool": "p", "node": 1, "events_sweep": -1}, "events_sweep must be a number of seconds"),
+    ({"pool": "p", "node": 1, "events_medium": ""}, "events_medium must be a medium's name"),
+    ({"pool": "p", "node": 1, "events_medium": 3}, "events_medium must be a medium's name"),
+    ({"pool": "p", "node": 1, "load_threads": 0}, "load_threads must be a positive int"),
     ({"node": 1}, "needs 'pool'"),
 ])
 def test_bad_options_are_refused_by_name(extra, match):

@@ -616,6 +616,13 @@ cdef class Region:
 
     # ------------------------------------------------------------- tracing
 
+    @property
+    def tracing(self):
+        """Whether a cache-control trace is on (`trace_start`): it records
+        every thread's native steps, so a caller that would spread one
+        step over threads keeps it on one while it is."""
+        return tract_trace.entries != NULL
+
     def trace_start(self, Py_ssize_t capacity=1 << 16):
         """Record the cache control of this thread from now on, in every
         native step and kernel of the process (DESIGN.md §5): each line a

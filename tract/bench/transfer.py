@@ -13,7 +13,9 @@ each sample moving at least 64 MiB (more blocks at the small sizes):
   R4 holds costs, since a reader cannot know which lines its CPU still
   caches), and, for reference, the same memcpy between private buffers
   still in this CPU's caches;
-- both again with checksums off;
+- both again with checksums off, and the get on one thread (a load of
+  `tract.transfer.SPLIT_LOAD_BYTES` or more is copied by `LOAD_THREADS`
+  threads by default);
 - handoff GB/s, prefill process -> decode process: from the moment the
   prefill side starts `offer` to the moment the decode side's `take` has
   the bytes (the notification between them, a pipe, included), against
@@ -185,12 +187,14 @@ class _Copies:
 
 
 @contextlib.contextmanager
-def _put_get(size: int, count: int, pool, checksum: bool):
-    """A round: put ``count`` absent blocks, then get them back."""
-    connector = Connector(pool, layout_of(size), checksum=checksum)
+def _put_get(size: int, count: int, pool, checksum: bool, load_threads: int | None = None):
+    """A round: put ``count`` absent blocks, then get them back (on
+    ``load_threads`` threads: the connector's default when None)."""
+    connector = Connector(pool, layout_of(size), checksum=checksum, load_threads=load_threads)
     blocks = random_blocks(size, count, 2)
     outs = [np.empty(size, np.uint8) for _ in range(count)]
-    suffix = "" if checksum else "_plain"
+    suffix = ("" if checksum else "_plain") + ("" if load_threads is None else
+                                               f"_{load_threads}_thread")
 
     def step(round_: int) -> dict[str, float]:
         keys = np.random.default_rng([round_, checksum]).integers(
@@ -346,6 +350,8 @@ def _rounds(steps: dict[str, object], repeats: int, notes: list[str]) -> dict[st
 #: (tract's measurement, its figure's name, the baseline it is held to)
 COMPARISONS = [("put", "put", "nt_copy"), ("get", "get", "memcpy"),
                ("get", "get", "memcpy_dropping"), ("get", "get", "memcpy_cached"),
+               ("get_1_thread", "get,1-thread", "memcpy"),
+               ("get_1_thread", "get,1-thread", "memcpy_dropping"),
                ("put_plain", "put,no-checksum", "nt_copy"),
                ("get_plain", "get,no-checksum", "memcpy"),
                ("get_plain", "get,no-checksum", "memcpy_dropping"),
@@ -369,6 +375,8 @@ def _cpu(size: int, count: int, repeats: int, harness: BenchPool, peers: bool,
                  "put_get": stack.enter_context(_put_get(size, count, harness.pool, True)),
                  "put_get_plain": stack.enter_context(_put_get(size, count, harness.pool,
                                                                False)),
+                 "put_get_1_thread": stack.enter_context(_put_get(size, count, harness.pool,
+                                                                  True, 1)),
                  "handoff": stack.enter_context(_tract_handoff(harness.path, size, count,
                                                                harness.pool)),
                  "tcp_loopback": stack.enter_context(_tcp_handoff(size, count))}

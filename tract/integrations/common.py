@@ -28,6 +28,7 @@ class Options:
     timeout: float = 30.0  # seconds a pool lock may be waited for
     tier: str | None = None  # the cluster tier below the rack (mooncake://MASTER:PORT?...)
     tier_policy: str = "write_through"  # how stores reach the tier (`tract.tier.POLICIES`)
+    load_threads: int | None = None  # threads a large load is copied by (`tract.transfer`)
 
 
 def flag(value, name: str, where: str) -> bool:
@@ -81,11 +82,18 @@ def options(config: Mapping, where: str, prefix: str = "") -> Options:
     if policy not in POLICIES:
         raise ConfigError(f"{where}: {prefix}tier_policy must be one of {POLICIES}, got "
                           f"{policy!r}")
+    threads = ours.get("load_threads")
+    if isinstance(threads, str) and threads.strip().isdigit():
+        threads = int(threads)
+    if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool)
+                                or threads < 1):
+        raise ConfigError(f"{where}: {prefix}load_threads must be a positive int, got "
+                          f"{ours['load_threads']!r}")
     return Options(pool=str(ours["pool"]), node=node,
                    manager=flag(ours.get("manager", False), prefix + "manager", where),
                    checksum=flag(ours.get("checksum", True), prefix + "checksum", where),
                    salt=None if salt is None else str(salt), timeout=timeout, tier=tier,
-                   tier_policy=policy)
+                   tier_policy=policy, load_threads=threads)
 
 
 _pools: dict[tuple[str, int], list] = {}  # (path, node) -> [pool, users]
@@ -125,7 +133,8 @@ def open_connector(opts: Options, layout):
     pool = open_pool(opts.pool, opts.node, opts.manager)
     try:
         return Connector(pool, layout, checksum=opts.checksum, salt=opts.salt,
-                         timeout=opts.timeout, tier=opts.tier, tier_policy=opts.tier_policy)
+                         timeout=opts.timeout, tier=opts.tier, tier_policy=opts.tier_policy,
+                         load_threads=opts.load_threads)
     except BaseException:
         close_pool(opts.pool, opts.node)
         raise

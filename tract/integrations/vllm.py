@@ -20,7 +20,10 @@ transfer may wait to start; default 30), ``async_loads`` and ``async_saves``
 (loads, stores on the worker's transfer thread, not inside the step;
 defaults: loads on GPUs only, stores everywhere), ``async`` (sets both),
 ``events_sweep`` (seconds between two looks for announced blocks gone from
-the rack; default 1).
+the rack; default 1), ``events_medium`` (the medium tract's KV events name;
+default ``CXL``; ``CPU`` under Dynamo 1.6.1, whose KV router drops media it
+does not know: docs/dynamo.md), ``load_threads`` (threads a load of 4 MiB
+or more is copied by; default 2 where this process may use 2 cores).
 
 What the adapter does (the work is `tract.connector.Connector`'s; this
 module only translates):
@@ -169,12 +172,14 @@ WorkerMetadata = getattr(_base, "KVConnectorWorkerMetadata", object)
 #: several KV cache groups is served only then
 FAILS_REQUESTS = "failed_recving" in getattr(TransferResults, "__dataclass_fields__", {})
 #: the adapter's own keys of ``kv_connector_extra_config`` (beside `Options`)
-ADAPTER_KEYS = ("model_id", "async", "async_loads", "async_saves", "events_sweep")
+ADAPTER_KEYS = ("model_id", "async", "async_loads", "async_saves", "events_sweep",
+                "events_medium")
 #: BlockRemoved: the blocks this instance announced, checked this many a sweep (round
 #: robin), and at most this many tracked (the oldest beyond are reported removed)
 SWEEP_KEYS = 4096
 TRACKED_MAX = 1 << 17
-#: the medium named in tract's KV events (vLLM's own are GPU, CPU and STORAGE)
+#: the medium named in tract's KV events by default (vLLM's own are GPU, CPU and
+#: STORAGE; ``events_medium`` names another, for a router that knows only those)
 MEDIUM = "CXL"
 
 
@@ -414,12 +419,12 @@ def _tail_digest(tokens, size: int) -> bytes:
     return hashlib.blake2b(body, digest_size=size).digest()
 
 
-def _stored_events(hashes, parent, tokens, kept: list[int], block_size: int,
+def _stored_events(hashes, parent, tokens, kept: list[int], block_size: int, medium: str,
                    **fields) -> list:
-    """`BlockStored` events for the ``kept`` blocks (indices into
-    ``hashes``; a partial last block past them is no event) of one store:
-    one event per run of consecutive blocks, each chained to the block
-    before it; ``fields``: the group's, for a model served by group."""
+    """`BlockStored` events (``medium``) for the ``kept`` blocks (indices
+    into ``hashes``; a partial last block past them is no event) of one
+    store: one event per run of consecutive blocks, each chained to the
+    block before it; ``fields``: the group's, for a model served by group."""
     from vllm.distributed.kv_events import BlockStored
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
@@ -435,7 +440,7 @@ def _stored_events(hashes, parent, tokens, kept: list[int], block_size: int,
             block_hashes=[maybe_convert_block_hash(h) for h in hashes[start:end]],
             parent_block_hash=None if before is None else maybe_convert_block_hash(before),
             token_ids=tokens[start * block_size:end * block_size], block_size=block_size,
-            lora_id=None, medium=MEDIUM, lora_name=None, **fields))
+            lora_id=None, medium=medium, lora_name=None, **fields))
         first = at
     return events
 
@@ -507,6 +512,10 @@ class TractConnector(KVConnectorBase_V1, SupportsHMA):
         if not self._sweep_every >= 0:
             raise ConfigError(f"{where}: events_sweep must be a number of seconds, 0 or more; "
                               f"got {extra['events_sweep']!r}")
+        self.medium = extra.get("events_medium", MEDIUM)
+        if not (isinstance(self.medium, str) and self.medium.strip()):
+            raise ConfigError(f"{where}: events_medium must be a medium's name (CXL, CPU, "
+                              f"...); got {self.medium!r}")
         self._produces, self._consumes = transfer.is_kv_producer, transfer.is_kv_consumer
         self.block_size = vllm_config.cache_config.block_size
         parallel = vllm_config.parallel_config
@@ -741,6 +750,7 @@ class TractConnector(KVConnectorBase_V1, SupportsHMA):
                 kept = sorted(row for row in kept if rows[row] < len(hashes))  # whole blocks
                 self._events += _stored_events(hashes, parent, tokens,
                                                [rows[row] for row in kept], self.block_size,
+                                               self.medium,
                                                **self._group_fields(group))
                 for row in kept:
                     key = keys[row].tobytes()
@@ -795,7 +805,7 @@ class TractConnector(KVConnectorBase_V1, SupportsHMA):
                     fields = {"group_idx": group.index} if self.by_group else {}
                     self._events.append(BlockRemoved(
                         block_hashes=[maybe_convert_block_hash(h) for h in hashes],
-                        medium=MEDIUM, **fields))
+                        medium=self.medium, **fields))
 
     def request_finished(self, request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
