@@ -763,6 +763,11 @@ class SimHost:
 
     # --------------------------------------------------------------- trace
 
+    @property
+    def tracing(self) -> bool:
+        """Whether this host's cache-control trace is on (`trace_start`)."""
+        return self._trace is not None
+
     def trace_start(self, capacity: int = 1 << 16) -> None:
         """Record this host's cache control as `Region.trace_start` does,
         naming the instructions `trace_control` (a `CacheControl`; None, the
