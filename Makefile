@@ -45,11 +45,10 @@ demo-vllm: env-vllm
 # mutation harness over every protocol module, which selects by that record:
 # all on the simulator's virtual clock or with no clock at all, so load
 # does not bend them; then the spin model, asv once in quick mode, and the
-# Dynamo tier, which starts once the vLLM tier's engines are gone, so their
-# memory never adds up) beside the engine lane (the engines' environments,
-# the vLLM, LMCache and SGLang tiers, the native mutants).  The
-# multi-process and slow tests, which measure real time, run after both, on
-# a quiet machine.  pytest prints each tier's 30 slowest tests.
+# native mutants) beside the engine lane (the engines' environments and
+# their tiers: vLLM, LMCache, SGLang, Dynamo).  The multi-process and slow
+# tests, which measure real time, run after both, on a quiet machine.
+# pytest prints each tier's 30 slowest tests.
 TIER := $(PYTHON) tests/tiers.py run
 PYTEST := $(PY) -m pytest -q -ra --durations=30
 test: $(STAMP)
@@ -68,14 +67,14 @@ lane-protocol: $(STAMP)
 	$(MAKE) mutants MUTANTS_FROM="--coverage out/sim.coverage"
 	$(MAKE) model
 	$(MAKE) asv
-	$(MAKE) test-dynamo
+	$(MAKE) mutants-native
 
 lane-engines: $(STAMP)
 	$(MAKE) -j4 env-vllm env-lmcache env-sglang env-dynamo
 	$(MAKE) test-vllm
 	$(MAKE) test-lmcache
 	$(MAKE) test-sglang
-	$(MAKE) mutants-native
+	$(MAKE) test-dynamo
 
 # Each mutant runs only the simulated tests that execute its site (a
 # coverage map of the unmutated suites: in `make test`, the one the
@@ -85,8 +84,8 @@ mutants: $(STAMP)
 	$(TIER) mutants -- $(PY) -m tract.testing.mutants --kind python $(MUTANTS_FROM)
 
 # The native sites (each mutant rebuilds only its own extension, in a scratch
-# copy, and runs its twin tests): no coverage map needed, so they run in the
-# engine lane.
+# copy, and runs its twin tests): no coverage map needed; they end the
+# protocol lane, which has the room.
 mutants-native: $(STAMP)
 	$(TIER) mutants-native -- $(PY) -m tract.testing.mutants --kind native --jobs 1
 
