@@ -46,9 +46,9 @@ from tract.errors import ConfigError, CudaError
 __all__ = ["DTYPE_BYTES", "LOAD_THREADS", "SPLIT_LOAD_BYTES", "CudaError", "KVLayout",
            "TransferEngine"]
 
-#: threads a large load's copy is spread over by default: one core's loads
-#: reach about 0.6 of memcpy on this kind of machine, two about 0.9
-#: (FACTS.md; `tract bench transfer`)
+#: threads a large load's copy is spread over by default: on a 2-core machine
+#: one thread's fresh loads reached about 0.6 of memcpy, two about 0.8 to 1.0
+#: (`tract bench transfer`: get against get,1-thread)
 LOAD_THREADS = min(2, len(os.sched_getaffinity(0)))
 #: a load of fewer bytes is copied by its caller alone (a thread's hand-off
 #: costs more than it saves)
