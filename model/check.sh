@@ -14,7 +14,17 @@
 # 1-CPU machine), MODEL_ONLY / MODEL_SKIP (grep -E patterns on check names:
 # run only those / leave those out; MODEL_SKIP='-n3$' leaves out the two
 # longest checks), MODEL_TIMEOUT (seconds per verifier, default 900),
-# MODEL_KEEP=1 (keep the scratch directory and print its path).  All checks: about 3 minutes on 2 idle cores, 2.5 GB per job at most.
+# MODEL_KEEP=1 (keep the scratch directory and print its path),
+# MODEL_FRESH=1 (verify every check again, whatever the cache holds).  All
+# checks: about 3 minutes on 2 idle cores, 2.5 GB per job at most.
+#
+# A check that ended as expected is remembered under
+# ${XDG_CACHE_HOME:-~/.cache}/tract/model, keyed by everything its verdict
+# depends on: its line below, every model file, this script, and the
+# versions of spin and the C compiler.  The same check with the same key is
+# the same proof, so it is not run again; its line says "(cached)".  Any
+# change to a model, a flag or a tool is a new key, and a check that failed
+# is never remembered.
 set -euo pipefail
 
 CC=${CC:-gcc}
@@ -37,6 +47,10 @@ skip=${MODEL_SKIP:-}
 limit=${MODEL_TIMEOUT:-900}   # seconds per verifier run
 
 work=$(mktemp -d "${TMPDIR:-/tmp}/tract-model.XXXXXX")
+cache=${XDG_CACHE_HOME:-$HOME/.cache}/tract/model
+fresh=${MODEL_FRESH:-0}
+# what every verdict depends on besides its own line
+inputs=$( { cat "$here"/*.pml "${BASH_SOURCE[0]}"; spin -V; "$CC" --version; } | sha256sum | cut -c1-32)
 if [[ "${MODEL_KEEP:-0}" == 1 ]]; then
     echo "check.sh: scratch directory $work"
 else
@@ -52,11 +66,12 @@ fi
 #                       cycles under weak fairness); assertions checked too
 #            liveness-A : the same with assertions off (-A)
 #   expect   pass | refute:<extended regex the pan output must match>
+#   key      the check's key in the cache (check_key)
 #   flags... -D flags for spin (the model's configuration); cc:FLAG passes
 #            FLAG to gcc instead (cc:-DCOLLAPSE: compressed state storage)
 run_check() {
-    local name=$1 model=$2 mode=$3 expect=$4
-    shift 4
+    local name=$1 model=$2 mode=$3 expect=$4 key=$5
+    shift 5
     local dir="$work/$name"
     mkdir -p "$dir"
     # flags: -D... go to spin (the model's configuration), cc:-D... to gcc
@@ -142,6 +157,15 @@ run_check() {
     fi
     echo "$line" >"$dir/summary"
     echo "$status" >"$dir/status"
+    if [[ $status == 0 ]]; then
+        mkdir -p "$cache" && echo "$line" >"$cache/$key.part.$$" &&
+            mv "$cache/$key.part.$$" "$cache/$key" || true  # the cache is only a speed-up
+    fi
+}
+
+# The cache's key of one check: its line of the table and `inputs`.
+check_key() {
+    printf '%s\n%s\n' "$1" "$inputs" | sha256sum | cut -c1-32
 }
 
 # name | model | mode | expect | spin flags
@@ -194,6 +218,7 @@ checks=(
 start=$SECONDS
 names=()
 running=0
+cached=0
 for entry in "${checks[@]}"; do
     IFS='|' read -r name model mode expect flags <<<"$entry"
     if [[ -n "$only" ]] && ! grep -qE -- "$only" <<<"$name"; then
@@ -203,8 +228,16 @@ for entry in "${checks[@]}"; do
         continue
     fi
     names+=("$name")
+    key=$(check_key "$entry")
+    if [[ "$fresh" != 1 && -s "$cache/$key" ]]; then
+        mkdir -p "$work/$name"
+        echo "$(cat "$cache/$key") (cached)" >"$work/$name/summary"
+        echo 0 >"$work/$name/status"
+        cached=$(( cached + 1 ))
+        continue
+    fi
     # shellcheck disable=SC2086  # flags is a list of -D words
-    run_check "$name" "$model" "$mode" "$expect" $flags &
+    run_check "$name" "$model" "$mode" "$expect" "$key" $flags &
     running=$(( running + 1 ))
     if (( running >= jobs )); then
         wait -n || true
@@ -225,5 +258,5 @@ for name in "${names[@]}"; do
         failed=$(( failed + 1 ))
     fi
 done
-echo "check.sh: ${#names[@]} checks, $failed unexpected, $(( SECONDS - start ))s (spin $(spin -V | sed -n 's/Spin Version \([^ ]*\).*/\1/p'), $jobs jobs)"
+echo "check.sh: ${#names[@]} checks ($cached cached), $failed unexpected, $(( SECONDS - start ))s (spin $(spin -V | sed -n 's/Spin Version \([^ ]*\).*/\1/p'), $jobs jobs)"
 (( failed == 0 ))

@@ -159,7 +159,9 @@ def test_a_load_spread_over_threads_is_the_one_thread_load(pool, split):
         good = engine.load(offsets, [_split(out, layout, split) if split != "whole" else out
                                      for out in outs], sums)
         results.append((good.tolist(), b"".join(out.tobytes() for out in outs)))
-        assert len(_load_threads() - others) == threads - 1
+        # an idle helper takes the next share, so a pool of k may have started fewer than k
+        assert (threads == 1) == (not _load_threads() - others)
+        assert len(_load_threads() - others) <= threads - 1
         engine.close()
         assert not _load_threads() - others
     assert results[0][0] == [i != row for i in range(count)]
