@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tract-installed
 SOURCES := pyproject.toml setup.py $(wildcard tract/_native/*.pyx tract/_native/*.pxd tract/_native/*.h)
 
-.PHONY: demo demo-vllm test test-tiers lane-protocol lane-engines mutants mutants-native mutants-full test-fast test-vllm test-lmcache test-sglang test-dynamo \
+.PHONY: sysdeps demo demo-vllm test test-tiers lane-protocol lane-engines mutants mutants-native mutants-full test-fast test-vllm test-lmcache test-sglang test-dynamo \
 	clean-envs flake bench bench-vllm asv model clean
 
 $(VENV)/bin/python:
@@ -23,13 +23,19 @@ $(STAMP): $(VENV)/bin/python $(SOURCES)
 	$(PY) setup.py -q build_ext --inplace
 	touch $(STAMP)
 
-# Mooncake's Python package comes with the test extra; its system library
-# (libibverbs1) is installed here when missing, where we are root (else the
-# demo names the command, and runs its other paths).
-demo: $(STAMP)
-	@ldconfig -p | grep -q libibverbs.so.1 || { if [ "$$(id -u)" = 0 ]; then \
-		apt-get update -qq && apt-get install -y -qq libibverbs1 >/dev/null; \
-	else echo "the demo's Mooncake path needs libibverbs1: sudo apt-get install -y libibverbs1"; fi; }
+# The Debian packages of the demo and the tests, installed when missing where
+# we are root (else the command is named, and what needs them is skipped by
+# name): libibverbs1 for Mooncake's Python package (it comes with the test
+# extra: the demo's Mooncake path, the cluster tier's tests), spin for the
+# lock model.
+sysdeps:
+	@missing=; ldconfig -p | grep -q libibverbs.so.1 || missing="$$missing libibverbs1"; \
+	command -v spin >/dev/null || missing="$$missing spin"; \
+	if [ -n "$$missing" ]; then if [ "$$(id -u)" = 0 ]; then \
+		apt-get update -qq && apt-get install -y -qq $$missing >/dev/null; \
+	else echo "missing Debian packages: sudo apt-get install -y$$missing"; fi; fi
+
+demo: $(STAMP) sysdeps
 	$(VENV)/bin/tract demo
 	$(VENV)/bin/tract demo --experiment static
 
@@ -51,7 +57,7 @@ demo-vllm: env-vllm
 # pytest prints each tier's 30 slowest tests.
 TIER := $(PYTHON) tests/tiers.py run
 PYTEST := $(PY) -m pytest -q -ra --durations=30
-test: $(STAMP)
+test: $(STAMP) sysdeps
 	@rm -rf out/tiers; status=0; $(MAKE) test-tiers || status=$$?; \
 		$(PYTHON) tests/tiers.py report; exit $$status
 
@@ -147,8 +153,7 @@ test-sglang: env-sglang
 
 # The Promela model of the lock protocols (model/README.md), checked with spin
 # (Debian package spin; installed here when missing).  About 3.5 min on 2 cores.
-model:
-	command -v spin >/dev/null || { apt-get update -qq && apt-get install -y -qq spin >/dev/null; }
+model: sysdeps
 	$(TIER) model -- bash model/check.sh
 
 test-fast: $(STAMP)

@@ -35,22 +35,23 @@ import numpy
 from Cython.Build import cythonize
 from setuptools import Extension, setup
 sys.argv = ["setup.py", "-q", "build_ext", "--inplace"]
-name, macros = {extension!r}, {macros!r}
+name, macros, optimize = {extension!r}, {macros!r}, {optimize!r}
 source = "tract/_native/" + name.rpartition(".")[2] + ".pyx"
 setup(ext_modules=cythonize([Extension(
     name, [source], include_dirs=["tract/_native", numpy.get_include()],
     define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION"), *macros],
-    extra_compile_args=["-O2"])], language_level=3, quiet=True, force=True))
+    extra_compile_args=[optimize])], language_level=3, quiet=True, force=True))
 """
 
 
-def build_extension(root: Path, extension: str, macros: tuple[tuple[str, str], ...] = ()
-                    ) -> str | None:
+def build_extension(root: Path, extension: str, macros: tuple[tuple[str, str], ...] = (),
+                    optimize: str = "-O2") -> str | None:
     """Build one extension of ``tract._native`` in place under ``root`` (a
-    copy of the package's sources at ``root/tract``).  Returns None, or the
-    build's error output."""
-    done = subprocess.run([sys.executable, "-c", BUILD_SCRIPT.format(extension=extension,
-                                                               macros=list(macros))],
+    copy of the package's sources at ``root/tract``), with the compiler's
+    ``optimize`` flag (the shipped build's by default).  Returns None, or
+    the build's error output."""
+    script = BUILD_SCRIPT.format(extension=extension, macros=list(macros), optimize=optimize)
+    done = subprocess.run([sys.executable, "-c", script],
                           cwd=root, capture_output=True, text=True, timeout=600)
     return None if done.returncode == 0 else (done.stdout + done.stderr)[-2000:]
 

@@ -41,11 +41,11 @@ the fast paths: every call of ``tract_lines``, ``tract_fence``,
 ``tract/_native/_cachectl.h`` that do more than one instruction (the
 streaming and checksummed copies, with their partial-line write-backs), and
 every ``lines`` / ``fence`` call in the kernels of `NATIVE_SUITES`.  A
-``.pyx`` mutant rebuilds only its own extension in the scratch copy (a
-header mutant, the extension that uses those primitives; each build is
-kept under ``…/tract/mutants/builds``, keyed by every native source and the
-toolchain, so an unchanged mutant is not compiled twice); a kernel mutant
-is a mutated ``.py``.  Each runs its native suite (`NATIVE_SUITES`: the twin
+``.pyx`` mutant rebuilds only its own extension in the scratch copy,
+unoptimized (`MUTANT_OPTIMIZE`; a header mutant, the extension that uses
+those primitives; each build is kept under ``…/tract/mutants/builds``,
+keyed by every native source and the toolchain, so an unchanged mutant is
+not compiled twice); a kernel mutant is a mutated ``.py``.  Each runs its native suite (`NATIVE_SUITES`: the twin
 tests, which hold the fast path to its reference by result, bytes and
 cache-control trace), the test that killed it last time first.
 
@@ -120,6 +120,10 @@ KERNEL_CALLS = ("lines", "fence")
 HEADER_PRIMITIVES = ("tract_stream_in", "tract_copy_in_nt", "tract_xxh3_copy",
                      "tract_digest_copy")
 NATIVE_MARKERS = "not multiprocess and not slow"
+#: a mutant's extension is compiled unoptimized (a quarter of -O2's time for
+#: `_region`): its twin tests judge it by results, bytes and the
+#: cache-control trace, which the trace hook records at any optimization
+MUTANT_OPTIMIZE = "-O0"
 
 SEEDS_ENV = "TRACT_SIM_SEEDS"
 
@@ -434,7 +438,7 @@ def _native_overlay(site: Site, directory: Path) -> str | None:
         shutil.copyfile(cached, built)
         os.utime(cached)
         return None
-    failed = build_extension(directory, extension)
+    failed = build_extension(directory, extension, optimize=MUTANT_OPTIMIZE)
     if failed:
         return f"build failed: {failed[-400:]}"
     try:
@@ -462,7 +466,7 @@ def _build_key(directory: Path, extension: str) -> str:
 
     digest = hashlib.sha256()
     for part in (extension, sys.version, Cython.__version__, numpy.__version__,
-                 sysconfig.get_config_var("CC") or "", trace.BUILD_SCRIPT):
+                 sysconfig.get_config_var("CC") or "", trace.BUILD_SCRIPT, MUTANT_OPTIMIZE):
         digest.update(part.encode() + b"\0")
     for path in sorted((directory / "tract" / "_native").iterdir()):
         if path.suffix in (".pyx", ".pxd", ".h"):
