@@ -57,11 +57,11 @@ import numpy as np
 import pytest
 
 from tract.pool import Pool
+from zygote import Zygote
 
 pytest.importorskip("vllm", reason="vLLM is not installed here (make test-vllm builds its "
                     "environment)")
 
-ENGINE = os.path.join(os.path.dirname(__file__), "engine.py")
 BLOCK = 32
 LEASE = 1.0
 #: prompt lengths: none a whole number of blocks, so every full block is loadable
@@ -74,6 +74,19 @@ LONG_DECODE = 40
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     return tmp_path_factory.mktemp("vllm")
+
+
+#: the module's zygote (`zygote.py`): every instance is a fork of it
+ZYGOTE = None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def zygote(workdir):
+    global ZYGOTE
+    ZYGOTE = Zygote(_env(workdir), str(workdir))
+    yield ZYGOTE
+    ZYGOTE.close()
+    ZYGOTE = None
 
 
 def _llama(target, layers=2, hidden=256, heads=4, intermediate=512):
@@ -119,9 +132,10 @@ def _tract(pool, node, role="kv_both", **extra):
 def _engine(workdir, name, model, batches, kv=None, env=None, timeout=600,
             num_blocks=None, max_model_len=None, kv_events=False, prefix_caching=False,
             background=False, **spec):
-    """Run one vLLM instance over ``batches``; its report.  ``spec``: more
-    of `engine.py`'s keys.  ``background``: start it and return (its
-    process, its report's path); its output goes to ``name.log``."""
+    """Run one vLLM instance over ``batches`` (a fork of the module's
+    zygote); its report.  ``spec``: more of `engine.py`'s keys.
+    ``background``: start it and return (its process, its report's path).
+    Its output goes to ``name.log``."""
     out = workdir / f"{name}.json"
     path = workdir / f"{name}.spec.json"
     path.write_text(json.dumps({"model": model, "out": str(out), "batches": batches,
@@ -129,16 +143,17 @@ def _engine(workdir, name, model, batches, kv=None, env=None, timeout=600,
                                 "num_blocks": num_blocks, "max_model_len": max_model_len,
                                 "kv_events": kv_events, "prefix_caching": prefix_caching,
                                 **spec}))
-    command = [sys.executable, ENGINE, str(path)]
+    log = workdir / f"{name}.log"
+    process = ZYGOTE.spawn(str(path), _env(workdir, **(env or {})), str(log))
     if background:
-        with open(workdir / f"{name}.log", "w") as log:
-            return subprocess.Popen(command, env=_env(workdir, **(env or {})), stdout=log,
-                                    stderr=subprocess.STDOUT), out
-    done = subprocess.run(command, env=_env(workdir, **(env or {})), capture_output=True,
-                          text=True, timeout=timeout)
-    if done.returncode != 0:
-        raise AssertionError(f"vLLM instance {name} exited with {done.returncode}:\n"
-                             f"{done.stderr[-4000:]}")
+        return process, out
+    try:
+        code = process.wait(timeout)
+    finally:
+        process.kill()  # one that ran past its time
+    if code != 0:
+        raise AssertionError(f"vLLM instance {name} exited with {code}:\n"
+                             f"{log.read_text()[-4000:]}")
     return json.loads(out.read_text())
 
 
