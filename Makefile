@@ -48,13 +48,14 @@ demo-vllm: env-vllm
 # to out/test-times.json at the end, whether the run passed or failed), in
 # two lanes at once, one per core: the protocol lane (pytest's unit and
 # simulated tests, recorded with coverage.py one context per test, then the
-# mutation harness over every protocol module, which selects by that record:
-# all on the simulator's virtual clock or with no clock at all, so load
-# does not bend them; then the spin model, asv once in quick mode, and the
-# native mutants) beside the engine lane (the engines' environments and
-# their tiers: vLLM, LMCache, SGLang, Dynamo).  The multi-process and slow
-# tests, which measure real time, run after both, on a quiet machine.
-# pytest prints each tier's 30 slowest tests.
+# mutation harness over every protocol module, which selects by that record,
+# the spin model and the native mutants: all on the simulator's virtual
+# clock or with no clock at all, so load does not bend them) beside the
+# engine lane (the engines' environments and their tiers: vLLM, LMCache,
+# SGLang, Dynamo; asv once in quick mode; then the multi-process tests, on
+# real time with 5x margins, beside the protocol lane's one process, as
+# `make flake` runs them beside a burned core).  The slow tests run after
+# both, on a quiet machine.  pytest prints each tier's 30 slowest tests.
 TIER := $(PYTHON) tests/tiers.py run
 PYTEST := $(PY) -m pytest -q -ra --durations=30
 test: $(STAMP) sysdeps
@@ -63,7 +64,6 @@ test: $(STAMP) sysdeps
 
 test-tiers: $(STAMP)
 	$(MAKE) -j2 lane-protocol lane-engines
-	$(TIER) pytest-multiprocess -- $(PYTEST) -m "multiprocess and not sim"
 	$(TIER) pytest-slow -- $(PYTEST) -m "slow and not sim and not multiprocess"
 
 lane-protocol: $(STAMP)
@@ -72,7 +72,6 @@ lane-protocol: $(STAMP)
 		--cov=tract --cov-context=test --cov-report=
 	$(MAKE) mutants MUTANTS_FROM="--coverage out/sim.coverage"
 	$(MAKE) model
-	$(MAKE) asv
 	$(MAKE) mutants-native
 
 lane-engines: $(STAMP)
@@ -81,6 +80,8 @@ lane-engines: $(STAMP)
 	$(MAKE) test-lmcache
 	$(MAKE) test-sglang
 	$(MAKE) test-dynamo
+	$(MAKE) asv
+	$(TIER) pytest-multiprocess -- $(PYTEST) -m "multiprocess and not sim"
 
 # Each mutant runs only the simulated tests that execute its site (a
 # coverage map of the unmutated suites: in `make test`, the one the
@@ -91,7 +92,7 @@ mutants: $(STAMP)
 
 # The native sites (each mutant rebuilds only its own extension, in a scratch
 # copy, and runs its twin tests): no coverage map needed; they end the
-# protocol lane, which has the room.
+# protocol lane.
 mutants-native: $(STAMP)
 	$(TIER) mutants-native -- $(PY) -m tract.testing.mutants --kind native --jobs 1
 
