@@ -47,9 +47,9 @@ demo-vllm: env-vllm
 # Every tier, each timed (tests/tiers.py; the table is printed and written
 # to out/test-times.json at the end, whether the run passed or failed), in
 # two lanes at once, one per core: the protocol lane (pytest's unit and
-# simulated tests, recorded with coverage.py one context per test, then the
-# mutation harness over every protocol module, which selects by that record,
-# the spin model and the native mutants: all on the simulator's virtual
+# simulated tests, the protocol modules recorded with coverage.py one context
+# per test, then the mutation harness over every protocol module, which
+# selects by that record, the spin model and the native mutants: all on the simulator's virtual
 # clock or with no clock at all, so load does not bend them) beside the
 # engine lane (the engines' environments and their tiers: vLLM, LMCache,
 # SGLang, Dynamo; asv once in quick mode; then the multi-process tests, on
@@ -69,7 +69,7 @@ test-tiers: $(STAMP)
 lane-protocol: $(STAMP)
 	$(TIER) pytest-unit -- $(PYTEST) -m "not sim and not multiprocess and not slow"
 	COVERAGE_FILE=$(CURDIR)/out/sim.coverage $(TIER) pytest-sim -- $(PYTEST) -m "sim" \
-		--cov=tract --cov-context=test --cov-report=
+		$$($(PY) -m tract.testing.mutants --coverage-arguments) --cov-context=test --cov-report=
 	$(MAKE) mutants MUTANTS_FROM="--coverage out/sim.coverage"
 	$(MAKE) model
 	$(MAKE) mutants-native
