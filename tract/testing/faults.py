@@ -152,6 +152,23 @@ def _new_version() -> int:
 TICKET_BYTES = 96
 
 
+class StopFlag:
+    """The end of a round, set by the campaign and read by its workers: one
+    shared byte with no lock.  (A `multiprocessing.Event` takes a shared
+    lock in `is_set`: a worker killed by SIGKILL while its main thread held
+    it, another of its threads having reached the kill point, left every
+    other worker blocked in `is_set` for good.)"""
+
+    def __init__(self, context):
+        self._value = context.RawValue("b", 0)
+
+    def set(self) -> None:
+        self._value.value = 1
+
+    def is_set(self) -> bool:
+        return self._value.value != 0
+
+
 class TicketBoard:
     """The latest offer of each worker, in shared memory (a seqlock per
     slot: its writer makes the sequence odd, writes, makes it even), so a
@@ -502,7 +519,7 @@ def campaign(points: int, seed: int = 0, workers: int = 3, lease: float = 0.4,
         killed, stalled = 0, False
         while killed < points and not stalled:
             rounds += 1
-            stop = context.Event()
+            stop = StopFlag(context)
             running: dict[int, tuple] = {}
 
             def launch(node):
@@ -636,7 +653,7 @@ def stall_campaign(points: int, seed: int = 0, workers: int = 3, lease: float = 
         stuck = False
         while stalled_points < points and not stuck:
             rounds += 1
-            stop = context.Event()
+            stop = StopFlag(context)
             running = {}
             for node in range(1, workers + 1):
                 process = _start(context, (path, node, rng.getrandbits(32), rng.choice(POINTS),
@@ -759,7 +776,7 @@ def soak(seconds: float, seed: int = 0, workers: int = 3, lease: float = 0.4) ->
         time.sleep(1.5 * lease)
         progress = context.Array("q", workers + 1, lock=False)
         failures, tallies = context.Queue(), context.Queue()
-        tickets, stop = TicketBoard(context, workers + 1), context.Event()
+        tickets, stop = TicketBoard(context, workers + 1), StopFlag(context)
         processes = [_start(context, (path, node, rng.getrandbits(32), None, 1, stop, progress,
                                       failures, tickets, lease, tallies), history=history)
                      for node in range(1, workers + 1)]
