@@ -49,8 +49,9 @@ demo-vllm: env-vllm
 # two lanes at once, one per core: the protocol lane (pytest's unit and
 # simulated tests, the protocol modules recorded with coverage.py one context
 # per test, then the mutation harness over every protocol module, which
-# selects by that record, the spin model and the native mutants: all on the simulator's virtual
-# clock or with no clock at all, so load does not bend them) beside the
+# selects by that record, the spin model and the native mutants: all on the
+# simulator's virtual clock or with no clock at all, so load does not bend
+# them) beside the
 # engine lane (the engines' environments and their tiers: vLLM, LMCache,
 # SGLang, Dynamo; asv once in quick mode; then the multi-process tests, on
 # real time with 5x margins, beside the protocol lane's one process, as
