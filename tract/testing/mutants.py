@@ -46,9 +46,10 @@ every ``lines`` / ``fence`` call in the kernels of `NATIVE_SUITES`.  A
 unoptimized (`MUTANT_OPTIMIZE`; a header mutant, the extension that uses
 those primitives; each build is kept under ``…/tract/mutants/builds``,
 keyed by every native source and the toolchain, so an unchanged mutant is
-not compiled twice); a kernel mutant is a mutated ``.py``.  Each runs its native suite (`NATIVE_SUITES`: the twin
-tests, which hold the fast path to its reference by result, bytes and
-cache-control trace), the test that killed it last time first.
+not compiled twice); a kernel mutant is a mutated ``.py``.  Each runs its
+native suite (`NATIVE_SUITES`: the twin tests, which hold the fast path to
+its reference by result, bytes and cache-control trace), the test that
+killed it last time first.
 
 *Moves.*  Besides deletions, each fence that follows a statement of its
 block is moved before that statement (a fence before the flush or store it
