@@ -604,3 +604,67 @@ def test_a_producer_stalled_before_its_record_offers_nothing():
     assert kv.offer("req", keys, blocks) == NO_OFFER
     assert kv.stats["not_offered"] == 1 and not kv.offers
     assert not pool.memory[record[-1]:record[-1] + 64].any()  # no record written
+
+
+_WARM_UP_CHECK = r"""
+import numpy as np
+from numba.core.dispatcher import Dispatcher
+
+import tract._kernels as kernels
+from tract._kernels import bitmap, blockhash, cachectl, indexfast, probe
+from tract.connector import Connector, warm_up
+from tract.errors import PoolFull
+from tract.pool import Pool
+from tract.transfer import KVLayout
+
+
+def compiled():
+    return {f"{module.__name__}.{name}": len(value.signatures)
+            for module in (bitmap, blockhash, cachectl, indexfast, probe)
+            for name, value in vars(module).items() if isinstance(value, Dispatcher)}
+
+
+assert warm_up() > 0 and warm_up() == 0.0
+before = compiled()
+layout = KVLayout(model="m", dtype="bfloat16", num_layers=3, num_kv_heads=2, head_size=16,
+                  block_size=8)
+path = "{path}"
+Pool.create(path, 8 << 20, chunk_size=1 << 16, max_nodes=4, index_capacity=256)
+with Pool.open(path, 1, manager=True) as pool:
+    connector = Connector(pool, layout)
+    blocks = [np.full(layout.block_bytes, i, np.uint8) for i in range(6)]
+    for tokens in (np.arange(48, dtype=np.int32), list(range(100, 148)),
+                   np.arange(200, 248, dtype=np.int64)):
+        connector.store(tokens, blocks)
+        connector.load(tokens[:connector.lookup(tokens)], blocks)
+        connector.take(connector.offer(str(tokens[0]), tokens, blocks), blocks)
+    keys = connector.digest_keys([bytes([i]) * 16 for i in range(6)], chained=False)
+    connector.store_each(keys, blocks)
+    connector.remove(keys)
+    seed = 1000
+    try:  # until the pool is full: stores make room
+        for seed in range(1000, 1200, 6):
+            connector.store(list(range(seed, seed + 48)), blocks)
+    except PoolFull:
+        pass
+    pool.index.evict(8)
+    connector.release()
+    connector.close()
+Pool.destroy(path)
+after = compiled()
+print({name: (before[name], after[name]) for name in after if after[name] != before[name]})
+"""
+
+
+def test_warm_up_compiles_every_kernel_the_calls_reach(pool_path):
+    """After `warm_up`, in a fresh process, a connector's calls (tokens of
+    every dtype, digests, handoffs, removes, a full pool's evictions)
+    compile no kernel: none is ever compiled under a pool lock."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _WARM_UP_CHECK.replace("{path}", pool_path)],
+                         capture_output=True, text=True, timeout=600,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "{}", f"compiled after warm_up: {out.stdout}"

@@ -66,7 +66,13 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import logging
+import os
+import tempfile
+import threading
+import time
 import typing
+import uuid
 from collections.abc import Sequence
 
 import numpy as np
@@ -80,7 +86,9 @@ from tract import _failpoints as faults
 from tract.tier import POLICIES, Tier, open_tier
 from tract.transfer import KVLayout, TransferEngine
 
-__all__ = ["NO_OFFER", "RELEASE_EVERY", "Connector", "Offer", "Stored", "Taken"]
+__all__ = ["NO_OFFER", "RELEASE_EVERY", "Connector", "Offer", "Stored", "Taken", "warm_up"]
+
+log = logging.getLogger(__name__)
 
 RELEASE_EVERY = 0.01  # seconds between the cache calls' checks of this process's offers
 
@@ -564,6 +572,73 @@ class Connector:
             self.index.demoters.remove(self._demote)
         if self._own_tier:
             self.tier.close()
+
+
+_warmed = False
+_warming = threading.Lock()
+
+
+def warm_up() -> float:
+    """Compile every kernel a connector's calls run (or load it from
+    Numba's cache), once per process, on a scratch pool of its own; returns
+    the seconds it took (0.0 once done).
+
+    A kernel is compiled at its first call, and some first calls are made
+    under a pool lock (an index reservation, an eviction).  A cold compile
+    takes seconds, more on a loaded machine, and a holder that long stalls
+    every node's stores behind it (and its lease may lapse meanwhile); a
+    first load pays it inside a request.  The engine adapters call this
+    before they open their pool, so no lock and no request ever waits on
+    a compile.  A scratch pool that cannot be made (no room in /dev/shm) is
+    logged, and the kernels compile where first called, as before."""
+    global _warmed
+    from tract.pool import Pool
+
+    with _warming:
+        if _warmed:
+            return 0.0
+        began = time.monotonic()
+        directory = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        path = os.path.join(directory, f"tract-warm-up-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        try:
+            Pool.create(path, 16 << 20, max_nodes=2, lock_mode="bakery", index_capacity=64)
+        except OSError as error:
+            log.warning("tract: no scratch pool to compile the kernels on (%s); each is "
+                        "compiled at its first call", error)
+        else:
+            try:
+                with Pool.open(path, 0) as pool:
+                    _exercise(pool)
+            finally:
+                Pool.destroy(path)
+        _warmed = True
+        return time.monotonic() - began
+
+
+def _exercise(pool) -> None:
+    """Every call of a connector that reaches a kernel, on ``pool`` (its
+    index small enough that removes and evictions lower reaches)."""
+    layout = KVLayout(model="tract-warm-up", dtype="float16", num_layers=2, num_kv_heads=1,
+                      head_size=8, block_size=4)
+    connector = Connector(pool, layout, timeout=10.0)
+    try:
+        def blocks(count):
+            return [np.full(layout.block_bytes, i, np.uint8) for i in range(count)]
+
+        for dtype in (np.int64, np.int32):  # tokens are either (`tract.hashing`)
+            tokens = np.arange(3 * layout.block_size, dtype=dtype)
+            connector.store(tokens[:layout.block_size], blocks(1))
+            connector.load(tokens[:connector.lookup(tokens)], blocks(3))
+        connector.take(connector.offer("warm-up", tokens, blocks(3)), blocks(3))
+        connector.release()
+        keys = connector.digest_keys([i.to_bytes(8, "little") for i in range(40)])
+        connector.store_each(keys, blocks(40))
+        connector.load(keys[:connector.lookup(keys)], blocks(40))
+        connector.remove(keys[::2])
+        pool.free(pool.alloc(1 << 20))
+        pool.index.evict(8)
+    finally:
+        connector.close()
 
 
 def _leading(found: np.ndarray) -> int:

@@ -539,38 +539,24 @@ def _pool_bytes(config: DemoConfig) -> int:
     return min(4 << 30, max(256 << 20, blocks * block * 5 // 4))
 
 
-def _warm_up(config: DemoConfig) -> None:
+def _warm_up() -> None:
     """Before the workers fork: import the model's libraries and compile
-    every pool kernel the workers call (store, lookup, load, offer, take)
-    on a scratch pool, so each worker inherits them instead of compiling
-    its own (a fresh checkout has no Numba cache yet)."""
+    every pool kernel the workers call (`tract.connector.warm_up`), so each
+    worker inherits them instead of compiling its own (a fresh checkout has
+    no Numba cache yet)."""
     import torch  # noqa: F401
     import transformers  # noqa: F401
 
-    from tract.connector import Connector
-    from tract.pool import Pool
+    from tract.connector import warm_up
 
-    path = os.path.join("/dev/shm", f"tract-demo-warm-{os.getpid()}-{uuid.uuid4().hex[:6]}")
-    Pool.create(path, 64 << 20, max_nodes=2, lock_mode="bakery")
-    try:
-        with Pool.open(path, 0) as pool:
-            connector, buffer = Connector(pool, config.layout()), KVBuffer(config)
-            tokens = np.arange(2 * BLOCK, dtype=np.int64)
-            connector.store(tokens[:BLOCK], buffer.blocks(0, 1))
-            connector.load(tokens[:connector.lookup(tokens)], buffer.blocks(0, 1))
-            connector.take(connector.offer("warm", tokens, buffer.blocks(0, 2)),
-                           buffer.blocks(0, 2))
-            connector.release()
-            connector.close()
-    finally:
-        Pool.destroy(path)
+    warm_up()
 
 
 def run(config: DemoConfig, progress: bool = True) -> dict:
     """Run every workload on every path; returns the report (`main` prints it)."""
     context = multiprocessing.get_context("fork")
     prompts = workloads(config)
-    _warm_up(config)
+    _warm_up()
     path = os.path.join("/dev/shm", f"tract-demo-{os.getpid()}-{uuid.uuid4().hex[:6]}")
     from tract.pool import Pool
 

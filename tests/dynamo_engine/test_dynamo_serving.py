@@ -44,6 +44,7 @@ pytest.importorskip("dynamo.vllm.kv_connector_protocols",
                     reason="Dynamo is not installed here (make test-dynamo builds its environment)")
 
 from tract.bench.peers import free_port  # noqa: E402
+from tract.connector import warm_up  # noqa: E402
 from tract.demo_vllm import VllmDemoConfig, complete, make_model_dir  # noqa: E402
 from tract.pool import Pool  # noqa: E402
 
@@ -244,6 +245,7 @@ def rack(tmp_path_factory):
     if os.path.exists(pool):
         Pool.destroy(pool)
     Pool.create(pool, 256 << 20, max_nodes=8, lock_mode="bakery")
+    warm_up()  # every worker loads tract's kernels from NUMBA_CACHE_DIR, none compiles them
     aggregated = Deployment("aggregated", workdir, model, pool, plugin)
     pd = Deployment("pd", workdir, model, pool, plugin)
     try:

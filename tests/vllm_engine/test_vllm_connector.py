@@ -56,6 +56,7 @@ import time
 import numpy as np
 import pytest
 
+from tract.connector import warm_up
 from tract.pool import Pool
 from zygote import Zygote
 
@@ -83,6 +84,7 @@ ZYGOTE = None
 @pytest.fixture(scope="module", autouse=True)
 def zygote(workdir):
     global ZYGOTE
+    warm_up()  # every instance loads tract's kernels from NUMBA_CACHE_DIR, none compiles them
     ZYGOTE = Zygote(_env(workdir), str(workdir))
     yield ZYGOTE
     ZYGOTE.close()

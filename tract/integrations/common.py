@@ -127,9 +127,12 @@ def close_pool(path: str, node: int) -> None:
 
 def open_connector(opts: Options, layout):
     """A `tract.connector.Connector` for ``layout`` over this process's
-    handle of the pool; `close_pool` when done with it."""
-    from tract.connector import Connector
+    handle of the pool; `close_pool` when done with it.  The process's
+    kernels are compiled first (`tract.connector.warm_up`), so none is
+    compiled under a pool lock or in a request."""
+    from tract.connector import Connector, warm_up
 
+    warm_up()
     pool = open_pool(opts.pool, opts.node, opts.manager)
     try:
         return Connector(pool, layout, checksum=opts.checksum, salt=opts.salt,
