@@ -8,7 +8,9 @@ the point is reached, default 1; ``TRACT_KILL_ACTION=stop``: stop there
 instead), or in a process by `arm`, whose
 ``action`` is ``"kill"`` (SIGKILL: a crash) or ``"stop"`` (SIGSTOP: a
 stall, until another process sends SIGCONT; the point is disarmed first,
-`on_stop` is called before it and `on_resume` after).  Unarmed, `point` is
+`on_stop` is called before it and `on_resume` after).  A thread inside
+`suspended` passes every point as if none were armed, and counts none.
+Unarmed, `point` is
 one comparison; a hot path skips even the call while ``ARMED`` (the armed
 point's name) is None.  The points are listed, with where each lies, in
 `tract.testing.faults`.
@@ -16,11 +18,12 @@ point's name) is None.  The points are listed, with where each lies, in
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
 
-__all__ = ["ACTIONS", "ARMED", "POINTS", "arm", "on_resume", "on_stop", "point"]
+__all__ = ["ACTIONS", "ARMED", "POINTS", "arm", "on_resume", "on_stop", "point", "suspended"]
 
 POINTS = ("lock.acquired", "lock.release", "manager.grant", "alloc.locked", "free.locked",
           "store.copied", "publish.locked", "evict.marked", "load.pinned", "handoff.pinned",
@@ -39,6 +42,7 @@ if _ACTION not in ACTIONS:
     raise ValueError(f"TRACT_KILL_ACTION={_ACTION!r} is not an action; the actions are "
                      f"{', '.join(ACTIONS)}")
 _reached = 0
+_thread = threading.local()  # .suspended: how deep this thread is in `suspended`
 #: called with the point's name right before a stop, and right after the resume
 on_stop = None
 on_resume = None
@@ -57,11 +61,23 @@ def arm(name: str | None, after: int = 1, action: str = "kill") -> None:
     ARMED, _AFTER, _ACTION, _reached = name, after, action, 0
 
 
+@contextlib.contextmanager
+def suspended():
+    """Inside, this thread passes every point unarmed and uncounted: work
+    that is no protocol step of the engine's (`tract.connector.warm_up`'s
+    scratch pool) neither dies nor uses up an armed count."""
+    _thread.suspended = getattr(_thread, "suspended", 0) + 1
+    try:
+        yield
+    finally:
+        _thread.suspended -= 1
+
+
 def point(name: str) -> None:
     """Die here by SIGKILL, or stop by SIGSTOP, if ``name`` is the armed
-    point and this is the armed time it is reached."""
+    point and this is the armed time it is reached (outside `suspended`)."""
     global ARMED, _reached
-    if name != ARMED:
+    if name != ARMED or getattr(_thread, "suspended", 0):
         return
     _reached += 1
     if _reached < _AFTER:
