@@ -33,11 +33,14 @@ requests), and sends at ``load`` (default 0.7) of it, so a TTFT shows the
 KV path and the prefix cache, not a growing queue.
 
 Measured per workload and path: TTFT (arrival to the first token at the
-decode worker, its KV loaded), the decode side's KV load time beside a
-cold memcpy of the same bytes measured in the same run (the bound) and
-the same memcpy with the bytes' lines dropped from the cache first, timed
-(the least a read fresh from a pool of ``coherence="none"`` costs, R4),
-prefill compute time, hit rate and throughput.  Every request's tokens are
+decode worker, its KV loaded), the decode side's KV load time beside its
+bounds, each timed in the decode worker right after that request's decode
+(the same process, the same neighbours at work: `LoadBounds`): a cold
+memcpy of the same bytes, and the same memcpy with the bytes' lines
+dropped from the cache first, timed (the least a read fresh from a pool
+of ``coherence="none"`` costs, R4); each ratio is the median of the
+requests' paired ratios, with its range.  Then prefill compute time, hit
+rate and throughput.  Every request's tokens are
 checked against a single-process run of the same model (``token_exact``).
 
 The KV layout: a block is ``layers x (K, V) x block_size x kv_heads x
@@ -445,7 +448,10 @@ def decode_worker(path: str, node: int, config: DemoConfig, inbox, handoffs, res
     from tract.pool import Pool
 
     model, buffer = make_model(config), KVBuffer(config)
+    block_bytes = config.layout().block_bytes
     with Pool.open(path, node, populate=True) as pool, contextlib.ExitStack() as stack:
+        bounds = LoadBounds(config.max_tokens // BLOCK * block_bytes)
+        stack.callback(bounds.close)
         connectors = {name: Connector(pool, config.layout(), salt=name)
                       for name in ("tract", "tract_no_prefix_cache")}
         for connector in connectors.values():
@@ -497,7 +503,10 @@ def decode_worker(path: str, node: int, config: DemoConfig, inbox, handoffs, res
                 tokens = [first] + _greedy(model, step.logits, cache, config.output_tokens - 1)
                 done = time.monotonic()
                 message.pop("prompt")
+                nbytes = count // BLOCK * block_bytes  # the load's bounds, paired with it
+                memcpy_s, floor_s = bounds.memcpy(nbytes), bounds.dropping(nbytes)
                 results.put(dict(message, output=tokens[:config.output_tokens],
+                                 memcpy_s=memcpy_s, floor_s=floor_s,
                                  load_s=loaded_at - began, handoff_s=began - message["sent"],
                                  ttft_s=ready_at - message["arrival"],
                                  decode_s=done - ready_at, done=done, loaded_tokens=loaded))
@@ -673,43 +682,51 @@ def _rate_prompts(config: DemoConfig) -> list[np.ndarray]:
             for _ in range(3 * config.prefill_workers + 1)]
 
 
+class LoadBounds:
+    """The bounds on a KV load of up to ``nbytes``, one timing per call, to
+    pair with a load just made in the same process: `memcpy`, one copy
+    between buffers no cache holds; `dropping`, the same copy out of a
+    mapping whose range is dropped from this CPU's caches first (the
+    payload instruction) and fenced, all timed (the least a read fresh
+    from a pool of ``coherence="none"`` costs: R4).  Each begins with a
+    64 MiB sweep, so no cache holds either side."""
+
+    def __init__(self, nbytes: int):
+        from tract.region import scratch_region
+
+        self.source = np.ones(nbytes, np.uint8)
+        self.target = np.zeros(nbytes, np.uint8)  # both faulted in
+        self.sweep = np.empty(64 << 20, np.uint8)
+        self.region = scratch_region(nbytes, name="demo-floor", populate=True)
+        self.region.fill(0, nbytes, 1)
+
+    def memcpy(self, nbytes: int) -> float:
+        self.sweep.fill(1)
+        began = time.perf_counter()
+        np.copyto(self.target[:nbytes], self.source[:nbytes])
+        return time.perf_counter() - began
+
+    def dropping(self, nbytes: int) -> float:
+        self.sweep.fill(1)
+        began = time.perf_counter()
+        self.region.invalidate(0, nbytes, payload=True)
+        self.region.fence()
+        self.region.copy_out(0, self.target[:nbytes])
+        return time.perf_counter() - began
+
+    def close(self) -> None:
+        self.region.close()
+
+
 def cold_memcpy_seconds(nbytes: int, trials: int = 5) -> float:
     """The median time of one copy of ``nbytes`` between buffers no cache
     holds (a 64 MiB sweep before each copy evicts them): the bound on a
     load of that many bytes into a worker's memory."""
-    source = np.ones(nbytes, np.uint8)
-    target = np.zeros(nbytes, np.uint8)  # both faulted in
-    sweep = np.empty(64 << 20, np.uint8)
-    times = []
-    for _ in range(trials):
-        sweep.fill(1)
-        began = time.perf_counter()
-        np.copyto(target, source)
-        times.append(time.perf_counter() - began)
-    return statistics.median(times)
-
-
-def dropping_memcpy_seconds(nbytes: int, trials: int = 5) -> float:
-    """The median time of the least a load of ``nbytes`` fresh from a pool
-    of ``coherence="none"`` costs (R4): the range's lines dropped from this
-    CPU's caches (the pool's payload instruction), a fence, then one copy
-    out of it, the drop timed; each trial begins with the caches swept as
-    for `cold_memcpy_seconds`."""
-    from tract.region import scratch_region
-
-    target = np.zeros(nbytes, np.uint8)
-    sweep = np.empty(64 << 20, np.uint8)
-    times = []
-    with scratch_region(nbytes, name="demo-floor", populate=True) as region:
-        region.fill(0, nbytes, 1)
-        for _ in range(trials):
-            sweep.fill(1)
-            began = time.perf_counter()
-            region.invalidate(0, nbytes, payload=True)
-            region.fence()
-            region.copy_out(0, target)
-            times.append(time.perf_counter() - began)
-    return statistics.median(times)
+    bounds = LoadBounds(nbytes)
+    try:
+        return statistics.median(bounds.memcpy(nbytes) for _ in range(trials))
+    finally:
+        bounds.close()
 
 
 def _progress(total: int, enabled: bool):
@@ -736,6 +753,11 @@ def _summary(values: list[float]) -> dict[str, float]:
             "p99": float(np.percentile(ordered, 99))}
 
 
+def _of_load(name: str, ratios: list[float]) -> dict:
+    """A bound's paired ratios to its loads: their median, and their range."""
+    return {name: statistics.median(ratios), f"{name}_range": [min(ratios), max(ratios)]}
+
+
 def _report(config, runs, expected, counters, unavailable) -> dict:
     workloads_out, exact = {}, True
     for (workload, name), results in runs.items():
@@ -756,16 +778,13 @@ def _report(config, runs, expected, counters, unavailable) -> dict:
                 r["tokens"] // BLOCK * config.layout().block_bytes for r in results),
             "mismatched": mismatched,
             "ttft_samples_s": [r["ttft_s"] for r in results],
+            # each load and its bounds, timed right after it in its worker (`LoadBounds`)
+            "kv_load_pairs_s": [[r["load_s"], r["memcpy_s"], r["floor_s"]] for r in results],
+            "kv_memcpy_s": statistics.median(r["memcpy_s"] for r in results),
+            "kv_floor_s": statistics.median(r["floor_s"] for r in results),
+            **_of_load("kv_load_of_bound", [r["memcpy_s"] / r["load_s"] for r in results]),
+            **_of_load("kv_load_of_floor", [r["floor_s"] / r["load_s"] for r in results]),
         }
-    bounds: dict[int, tuple[float, float]] = {}
-    for paths in workloads_out.values():
-        for row in paths.values():
-            size = int(row["kv_bytes_per_request"])
-            if size not in bounds:
-                bounds[size] = cold_memcpy_seconds(size), dropping_memcpy_seconds(size)
-            row["kv_memcpy_s"], row["kv_floor_s"] = bounds[size]
-            row["kv_load_of_bound"] = row["kv_memcpy_s"] / row["kv_load_s"]["mean"]
-            row["kv_load_of_floor"] = row["kv_floor_s"] / row["kv_load_s"]["mean"]
     ratios = {}
     for workload, paths in workloads_out.items():
         ours = next((name for name in ("tract", "tract_no_prefix_cache") if name in paths), None)
@@ -787,22 +806,28 @@ def _table(report: dict) -> str:
     else:
         lines.append(f"arrivals: {report['arrival_rate_rps']:.2f} req/s (fixed)")
     lines.append(f"{'workload':<8} {'path':<22} {'TTFT mean':>10} {'p50':>8} {'p99':>8} "
-                 f"{'KV load':>9} {'memcpy':>8} {'of it':>6} {'+drop':>8} {'of it':>6} "
+                 f"{'KV load':>9} {'memcpy':>8} {'of it':>15} {'+drop':>8} {'of it':>15} "
                  f"{'prefill':>8} {'hit':>5} {'req/s':>6}")
     for workload, paths in report["workloads"].items():
         for name, row in paths.items():
             lines.append(f"{workload:<8} {name:<22} {row['ttft_s']['mean'] * 1e3:8.0f}ms "
                          f"{row['ttft_s']['p50'] * 1e3:6.0f}ms {row['ttft_s']['p99'] * 1e3:6.0f}ms "
                          f"{row['kv_load_s']['mean'] * 1e3:7.1f}ms "
-                         f"{row['kv_memcpy_s'] * 1e3:6.1f}ms {row['kv_load_of_bound']:6.2f} "
-                         f"{row['kv_floor_s'] * 1e3:6.1f}ms {row['kv_load_of_floor']:6.2f} "
+                         f"{row['kv_memcpy_s'] * 1e3:6.1f}ms {_ratio(row, 'kv_load_of_bound')} "
+                         f"{row['kv_floor_s'] * 1e3:6.1f}ms {_ratio(row, 'kv_load_of_floor')} "
                          f"{row['prefill_compute_s']['mean'] * 1e3:6.0f}ms "
                          f"{row['hit_rate']:5.2f} {row['throughput_rps']:6.2f}")
-    lines.append("(memcpy: a cold copy of the same bytes in this run, the bound on a KV load; "
-                 "+drop: the same with the bytes' lines dropped from the cache first, timed: "
-                 "the least a read fresh from a non-coherent pool costs (R4); of it: that "
-                 "time / KV load)")
+    lines.append("(memcpy: a cold copy of the same bytes, the bound on a KV load; +drop: the "
+                 "same with the bytes' lines dropped from the cache first, timed: the least a "
+                 "read fresh from a non-coherent pool costs (R4); both timed in the decode "
+                 "worker right after each request, medians; of it: the median of that time / "
+                 "its request's KV load [range])")
     return "\n".join(lines)
+
+
+def _ratio(row: dict, name: str) -> str:
+    low, high = row[f"{name}_range"]
+    return f"{row[name]:4.2f} [{low:.2f}-{high:.2f}]".rjust(15)
 
 
 def _plots(report: dict, out_dir: str) -> list[str]:
