@@ -589,8 +589,9 @@ def warm_up() -> float:
     every node's stores behind it (and its lease may lapse meanwhile); a
     first load pays it inside a request.  The engine adapters call this
     before they open their pool, so no lock and no request ever waits on
-    a compile.  No fail point fires in it (`tract._failpoints.suspended`).  A scratch pool that cannot be made (no room in /dev/shm) is
-    logged, and the kernels compile where first called, as before."""
+    a compile.  No fail point fires in it (`tract._failpoints.suspended`).
+    A scratch pool that cannot be made (no room in /dev/shm) is logged,
+    and the kernels compile where first called, as before."""
     global _warmed
     from tract.pool import Pool
 
