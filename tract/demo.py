@@ -18,9 +18,7 @@ What runs (all on this machine's CPUs):
 The same pipeline then runs with the KV moved other ways, on the same
 requests: over a TCP socket between the two workers, through Mooncake Store
 over TCP (when it is installed), and through the pool with the prefix
-cache off.  A workload's requests run in ``rounds`` rounds, each path's
-share of a round in turn (A B C D, then D C B A), so what drifts on the
-machine over a run falls on every path alike.  Every path is a pull, as a P/D transfer is: the prefill side
+cache off.  Every path is a pull, as a P/D transfer is: the prefill side
 keeps the request's KV and tells the decode side, which asks for it (TCP:
 a request on the prefill worker's KV socket, served by its server thread;
 Mooncake: ``batch_get_into``; tract: `Connector.take`); the KV load time
@@ -94,7 +92,6 @@ class DemoConfig:
     input_tokens: int = 1536  # mean prompt length (whole blocks, within +-25%)
     output_tokens: int = 64
     requests: int = 16  # per workload and path
-    rounds: int = 4  # each workload's requests in this many rounds, the paths taking turns
     load: float = 0.7  # arrivals at this fraction of the measured service rate
     qps: float | None = None  # a fixed arrival rate instead
     hit_rates: tuple = (0.25, 0.5, 0.75)
@@ -547,10 +544,7 @@ def _mooncake_ports(stack) -> tuple[tuple[int, int] | None, str | None]:
 
 def _pool_bytes(config: DemoConfig) -> int:
     block = config.layout().block_bytes
-    # every workload's blocks on both pool paths, unevicted (a workload's paths take turns,
-    # so a full pool would evict what the next round of the prefix cache path hits)
-    workloads = len(config.lengths) if config.experiment == "static" else len(config.hit_rates)
-    blocks = max(1, workloads) * config.requests * (config.max_tokens // BLOCK) * 2
+    blocks = config.requests * (config.max_tokens // BLOCK) * 2  # both pool paths, unevicted
     return min(4 << 30, max(256 << 20, blocks * block * 5 // 4))
 
 
@@ -663,13 +657,10 @@ def run(config: DemoConfig, progress: bool = True) -> dict:
             qps = config.load * service
         runs = {}
         for workload, items in prompts.items():
-            # A B C D, then D C B A, ...: what drifts on the machine falls on every path
-            for turn, part in enumerate(np.array_split(np.arange(len(items)),
-                                                       max(1, min(config.rounds, len(items))))):
-                for name in paths if turn % 2 == 0 else paths[::-1]:
-                    runs.setdefault((workload, name), []).extend(phase(
-                        [Request(f"{workload}-{name}-{i}", workload, name, items[i])
-                         for i in part.tolist()], qps))
+            for name in paths:
+                runs[(workload, name)] = phase(
+                    [Request(f"{workload}-{name}-{i}", workload, name, prompt)
+                     for i, prompt in enumerate(items)], qps)
         bar.close()
         finish()  # counters publish every heartbeat: read them once the workers closed
         with Pool.observe(path) as pool:
