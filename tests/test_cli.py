@@ -1,6 +1,7 @@
 """The `tract` command: info, bench (JSON schema), the demo, and one-line
 errors on bad pool files."""
 
+import collections
 import json
 import os
 import statistics
@@ -156,6 +157,23 @@ def test_paired_ratios_are_taken_round_by_round():
         bench.paired([1.0], [])
 
 
+@pytest.mark.parametrize("count", [1, 2, 3, 4, 5])
+def test_demo_paths_take_turns_in_a_balanced_order(count):
+    """Over a square's prompts (twice as many for an odd count of paths),
+    every path arrives at each place equally often, and right after each
+    other path equally often: a cheap request before another eases its
+    queue, and that favour must fall on no path more than another."""
+    from tract.demo import _turns
+
+    paths = [f"p{k}" for k in range(count)]
+    rows = [_turns(paths, i) for i in range(count * (2 if count % 2 else 1))]
+    assert all(sorted(row) == paths for row in rows)
+    places = collections.Counter((path, k) for row in rows for k, path in enumerate(row))
+    assert len(set(places.values())) == 1 and len(places) == count * count
+    follows = collections.Counter(pair for row in rows for pair in zip(row, row[1:]))
+    assert len(follows) == count * (count - 1) and len(set(follows.values())) <= 1
+
+
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_demo_hands_kv_through_the_pool_token_exact(tmp_path):
@@ -179,7 +197,7 @@ def test_demo_hands_kv_through_the_pool_token_exact(tmp_path):
     for paths in report["workloads"].values():
         assert set(paths) == set(PATHS)
         for row in paths.values():
-            assert row["mismatched"] == [] and row["requests"] == 5
+            assert row["mismatched"] == [] and row["requests"] == 4
             assert set(row["ttft_s"]) == {"mean", "p50", "p99"} and row["kv_load_s"]["mean"] > 0
             pairs = row["kv_load_pairs_s"]  # (load, memcpy, +drop) of each request
             assert len(pairs) == row["requests"] and min(min(p) for p in pairs) > 0
@@ -188,6 +206,11 @@ def test_demo_hands_kv_through_the_pool_token_exact(tmp_path):
                 assert row[name] == pytest.approx(statistics.median(ratios))
                 assert row[f"{name}_range"] == pytest.approx([min(ratios), max(ratios)])
         assert paths["tract"]["hit_rate"] > 0 and paths["tcp"]["hit_rate"] == 0
+    for workload, paths in report["workloads"].items():  # the paths took turns in one phase
+        assert report["throughput_rps"][workload] > 0
+        assert report["ttft_of_tcp"][workload] == pytest.approx(
+            {name: row["ttft_s"]["mean"] / paths["tcp"]["ttft_s"]["mean"]
+             for name, row in paths.items() if name != "tcp"})
     assert report["workloads"]["hit75"]["tract"]["hit_rate"] > \
         report["workloads"]["hit25"]["tract"]["hit_rate"]
     counters = report["pool_counters"]

@@ -15,10 +15,14 @@ What runs (all on this machine's CPUs):
 - the decode worker loads every block of the prompt from the pool
   (`Connector.take`), then generates.
 
-The same pipeline then runs with the KV moved other ways, on the same
+The same pipeline runs with the KV moved other ways, on the same
 requests: over a TCP socket between the two workers, through Mooncake Store
 over TCP (when it is installed), and through the pool with the prefix
-cache off.  Every path is a pull, as a P/D transfer is: the prefill side
+cache off.  The paths take turns within each workload: each prompt arrives
+once per path, one after another, the order rotated by one a prompt, so
+whatever drifts on the machine (its neighbours, the queue) falls on every
+path alike, and the TTFTs of two paths that compute the same tokens (TCP
+and the pool without its prefix cache) differ by their KV paths only.  Every path is a pull, as a P/D transfer is: the prefill side
 keeps the request's KV and tells the decode side, which asks for it (TCP:
 a request on the prefill worker's KV socket, served by its server thread;
 Mooncake: ``batch_get_into``; tract: `Connector.take`); the KV load time
@@ -51,6 +55,7 @@ moves as its pieces in one native call.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import multiprocessing
@@ -104,7 +109,7 @@ class DemoConfig:
 
     @classmethod
     def quick(cls) -> DemoConfig:
-        return cls(input_tokens=1024, output_tokens=32, requests=5, prefill_workers=1)
+        return cls(input_tokens=1024, output_tokens=32, requests=4, prefill_workers=1)
 
     @classmethod
     def static(cls, quick: bool = False) -> DemoConfig:
@@ -178,12 +183,15 @@ class KVBuffer:
         self.config = config
         self.kv = np.zeros((config.layers, 2, config.max_tokens, config.kv_heads,
                             config.head_dim), dtype=np.float32)
+        self._blocks = [[self.kv[layer, part, b * BLOCK:(b + 1) * BLOCK]
+                         for layer in range(config.layers) for part in (0, 1)]
+                        for b in range(config.max_tokens // BLOCK)]
 
     def blocks(self, first: int, count: int) -> list[list[np.ndarray]]:
-        """Blocks ``first..first+count-1`` as their pieces (layer, K/V), in order."""
-        return [[self.kv[layer, part, b * BLOCK:(b + 1) * BLOCK]
-                 for layer in range(self.config.layers) for part in (0, 1)]
-                for b in range(first, first + count)]
+        """Blocks ``first..first+count-1`` as their pieces (layer, K/V), in
+        order: views made once, as an engine registers its KV cache's
+        (a load's time is the copy's, not the making of thousands of views)."""
+        return self._blocks[first:first + count]
 
     def layers(self, tokens: int) -> list[np.ndarray]:
         """Each layer's K then V of the first ``tokens`` tokens (contiguous)."""
@@ -439,7 +447,10 @@ def prefill_worker(path: str, node: int, config: DemoConfig, requests, handoff, 
 def decode_worker(path: str, node: int, config: DemoConfig, inbox, handoffs, results,
                   mooncake_ports) -> None:
     """Take handed-off requests (from the ``handoffs`` pipes), pull their
-    KV, generate; results to ``results``, until ``inbox`` says stop."""
+    KV and generate, as a continuous batch: a handoff joins after the step
+    under way, and the running requests make a token each in turn (one
+    sequence a step: the model is small and single-threaded), so a handoff
+    waits for one step, not for whole requests, as on a serving engine.  Results to ``results``, until ``inbox`` says stop."""
     from multiprocessing.connection import wait
 
     import torch
@@ -462,54 +473,74 @@ def decode_worker(path: str, node: int, config: DemoConfig, inbox, handoffs, res
             stack.callback(_close_mooncake, store)
             store.register_buffer(buffer.kv.ctypes.data, buffer.kv.nbytes)
         pulls: dict[int, socket.socket] = {}  # a prefill worker's KV port -> its socket
+
+        def admit(message: dict) -> dict:
+            """Pull a handed-off request's KV (timed), its bounds beside it,
+            and make its second token (the step that moves its cache out of
+            the staging buffer, which the next pull fills)."""
+            began = time.monotonic()
+            count = message["tokens"]
+            if message["path"] == "tcp":
+                sock = pulls.get(message["kv_port"])
+                if sock is None:
+                    sock = socket.create_connection(("127.0.0.1", message["kv_port"]))
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    stack.callback(sock.close)
+                    pulls[message["kv_port"]] = sock
+                    began = time.monotonic()  # the connection is set up once, not timed
+                _send_frame(sock, {"rid": message["rid"]})
+                for view in buffer.layers(count):
+                    _recv_exact(sock, memoryview(view).cast("B"))
+                loaded = count
+            elif message["path"].startswith("tract"):
+                taken = connectors[message["path"]].take(message["ticket"],
+                                                         buffer.blocks(0, count // BLOCK))
+                loaded = taken.blocks * BLOCK
+            else:  # mooncake_tcp
+                keys, views = _kv_keys(message["rid"], config.layers), buffer.layers(count)
+                got = store.batch_get_into(keys, [v.ctypes.data for v in views],
+                                           [v.nbytes for v in views])
+                loaded = count if all(g == v.nbytes for g, v in zip(got, views)) else 0
+                store.batch_remove(keys, True)
+            loaded_at = time.monotonic()
+            cache = buffer.cache(loaded)
+            prompt = message.pop("prompt")
+            if loaded < count:  # what the pool lacked (evicted, a bad checksum): recompute
+                missing = np.asarray(prompt[loaded:], dtype=np.int64)
+                model(torch.from_numpy(missing[None]), past_key_values=cache, use_cache=True)
+            ready_at = time.monotonic()  # the first token can go to the client
+            nbytes = count // BLOCK * block_bytes  # the load's bounds, paired with it
+            memcpy_s, floor_s = bounds.memcpy(nbytes), bounds.dropping(nbytes)
+            first = message["first"]
+            step = model(torch.tensor([[first]]), past_key_values=cache, use_cache=True)
+            return dict(message, cache=cache, output=[first, int(step.logits[0, -1].argmax())],
+                        memcpy_s=memcpy_s, floor_s=floor_s, load_s=loaded_at - began,
+                        handoff_s=began - message["sent"], ttft_s=ready_at - message["arrival"],
+                        ready_at=ready_at, loaded_tokens=loaded)
+
+        running: collections.deque[dict] = collections.deque()  # admitted, generating
         while True:
-            for source in wait([inbox, *handoffs]):
+            # a continuous batch: a handoff joins after the step under way,
+            # then the running requests make a token each in turn
+            for source in wait([inbox, *handoffs], timeout=0 if running else None):
                 if source is inbox:
                     inbox.recv()
                     return
-                message = source.recv()
-                began = time.monotonic()
-                count = message["tokens"]
-                if message["path"] == "tcp":
-                    sock = pulls.get(message["kv_port"])
-                    if sock is None:
-                        sock = socket.create_connection(("127.0.0.1", message["kv_port"]))
-                        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                        stack.callback(sock.close)
-                        pulls[message["kv_port"]] = sock
-                        began = time.monotonic()  # the connection is set up once, not timed
-                    _send_frame(sock, {"rid": message["rid"]})
-                    for view in buffer.layers(count):
-                        _recv_exact(sock, memoryview(view).cast("B"))
-                    loaded = count
-                elif message["path"].startswith("tract"):
-                    taken = connectors[message["path"]].take(message["ticket"],
-                                                             buffer.blocks(0, count // BLOCK))
-                    loaded = taken.blocks * BLOCK
-                else:  # mooncake_tcp
-                    keys, views = _kv_keys(message["rid"], config.layers), buffer.layers(count)
-                    got = store.batch_get_into(keys, [v.ctypes.data for v in views],
-                                               [v.nbytes for v in views])
-                    loaded = count if all(g == v.nbytes for g, v in zip(got, views)) else 0
-                    store.batch_remove(keys, True)
-                loaded_at = time.monotonic()
-                cache = buffer.cache(loaded)
-                if loaded < count:  # what the pool lacked (evicted, a bad checksum): recompute
-                    prompt = np.asarray(message["prompt"][loaded:], dtype=np.int64)
-                    model(torch.from_numpy(prompt[None]), past_key_values=cache, use_cache=True)
-                ready_at = time.monotonic()  # the first token can go to the client
-                first = message["first"]
-                step = model(torch.tensor([[first]]), past_key_values=cache, use_cache=True)
-                tokens = [first] + _greedy(model, step.logits, cache, config.output_tokens - 1)
-                done = time.monotonic()
-                message.pop("prompt")
-                nbytes = count // BLOCK * block_bytes  # the load's bounds, paired with it
-                memcpy_s, floor_s = bounds.memcpy(nbytes), bounds.dropping(nbytes)
-                results.put(dict(message, output=tokens[:config.output_tokens],
-                                 memcpy_s=memcpy_s, floor_s=floor_s,
-                                 load_s=loaded_at - began, handoff_s=began - message["sent"],
-                                 ttft_s=ready_at - message["arrival"],
-                                 decode_s=done - ready_at, done=done, loaded_tokens=loaded))
+                running.append(admit(source.recv()))
+            if not running:
+                continue
+            request = running.popleft()
+            tokens = request["output"]
+            if len(tokens) < config.output_tokens:
+                out = model(torch.tensor([[tokens[-1]]]), past_key_values=request["cache"],
+                            use_cache=True)
+                tokens.append(int(out.logits[0, -1].argmax()))
+            if len(tokens) < config.output_tokens:
+                running.append(request)
+                continue
+            request.pop("cache")
+            done = time.monotonic()
+            results.put(dict(request, decode_s=done - request.pop("ready_at"), done=done))
 
 
 # ------------------------------------------------------------ orchestrator
@@ -617,9 +648,11 @@ def run(config: DemoConfig, progress: bool = True) -> dict:
         stack.callback(finish)
 
         def phase(items: list[Request], qps: float) -> list[dict]:
-            """Send ``items`` at Poisson arrivals; their results, in order."""
-            gaps = np.random.default_rng(config.seed + len(items)).exponential(1 / qps,
-                                                                              len(items))
+            """Send ``items`` at Poisson arrivals, ``qps`` on average over
+            them (the gaps scaled to it: a few dozen draws stray far from
+            their mean); their results, in order."""
+            gaps = np.random.default_rng(config.seed + len(items)).exponential(1.0, len(items))
+            gaps *= (len(items) - 1) / (qps * (gaps.sum() - gaps[0])) if len(items) > 1 else 0
             start = time.monotonic()
             for item, at in zip(items, np.cumsum(gaps) - gaps[0]):
                 time.sleep(max(0.0, start + at - time.monotonic()))
@@ -655,12 +688,15 @@ def run(config: DemoConfig, progress: bool = True) -> dict:
             service = len(served) / (max(r["done"] for r in served)
                                      - min(r["arrival"] for r in served))
             qps = config.load * service
-        runs = {}
+        runs, spans = {}, {}
         for workload, items in prompts.items():
-            for name in paths:
-                runs[(workload, name)] = phase(
-                    [Request(f"{workload}-{name}-{i}", workload, name, prompt)
-                     for i, prompt in enumerate(items)], qps)
+            served = phase([Request(f"{workload}-{name}-{i}", workload, name, prompt)
+                            for i, prompt in enumerate(items) for name in _turns(paths, i)],
+                           qps)
+            spans[workload] = (len(served), max(r["done"] for r in served)
+                               - min(r["arrival"] for r in served))
+            for name in paths:  # each path's results in prompt order
+                runs[(workload, name)] = [r for r in served if r["path"] == name]
         bar.close()
         finish()  # counters publish every heartbeat: read them once the workers closed
         with Pool.observe(path) as pool:
@@ -670,8 +706,24 @@ def run(config: DemoConfig, progress: bool = True) -> dict:
         for i, tokens in enumerate(reference(config, items)):
             expected[(workload, i)] = tokens
     report = _report(config, runs, expected, counters, unavailable)
-    report.update(arrival_rate_rps=qps, service_rate_rps=service)
+    report.update(arrival_rate_rps=qps, service_rate_rps=service,
+                  throughput_rps={workload: count / span
+                                  for workload, (count, span) in spans.items()})
     return report
+
+
+def _turns(paths: list[str], i: int) -> list[str]:
+    """The paths in the order prompt ``i``'s requests arrive: row ``i`` of
+    a Williams square (its mirror too for an odd count, every other
+    square), so over each square's prompts every path comes first,
+    second... equally often, and right after every other path equally
+    often (a cheap request, a prefix hit, eases the next one's queue)."""
+    n = len(paths)
+    base = [0]
+    for k in range(1, n):  # 0, 1, n-1, 2, n-2, ...
+        base.append((k + 1) // 2 if k % 2 else n - k // 2)
+    order = [paths[(b + i) % n] for b in base]
+    return order[::-1] if n % 2 and (i // n) % 2 else order
 
 
 def _rate_prompts(config: DemoConfig) -> list[np.ndarray]:
@@ -765,15 +817,12 @@ def _report(config, runs, expected, counters, unavailable) -> dict:
                       if r["output"] != expected[(workload, i)]]
         exact &= not mismatched
         tokens = sum(r["tokens"] for r in results)
-        span = max(r["done"] for r in results) - min(r["arrival"] for r in results)
         workloads_out.setdefault(workload, {})[name] = {
             "requests": len(results),
             "ttft_s": _summary([r["ttft_s"] for r in results]),
             "kv_load_s": _summary([r["load_s"] for r in results]),
             "prefill_compute_s": _summary([r["compute_s"] for r in results]),
             "hit_rate": sum(r["hit_tokens"] for r in results) / tokens,
-            "throughput_rps": len(results) / span,
-            "output_tokens_per_s": sum(len(r["output"]) for r in results) / span,
             "kv_bytes_per_request": statistics.fmean(
                 r["tokens"] // BLOCK * config.layout().block_bytes for r in results),
             "mismatched": mismatched,
@@ -791,9 +840,12 @@ def _report(config, runs, expected, counters, unavailable) -> dict:
         if ours is not None:
             ratios[workload] = {name: row["kv_load_s"]["mean"] / paths[ours]["kv_load_s"]["mean"]
                                 for name, row in paths.items() if name in NETWORK_PATHS}
+    ttft_of_tcp = {workload: {name: row["ttft_s"]["mean"] / paths["tcp"]["ttft_s"]["mean"]
+                              for name, row in paths.items() if name != "tcp"}
+                   for workload, paths in workloads_out.items() if "tcp" in paths}
     return {"token_exact": exact, "experiment": config.experiment, "config": asdict(config),
             "kv_block_bytes": config.layout().block_bytes, "workloads": workloads_out,
-            "kv_load_speedup": ratios, "unavailable": unavailable,
+            "kv_load_speedup": ratios, "ttft_of_tcp": ttft_of_tcp, "unavailable": unavailable,
             "pool_counters": {str(node): c for node, c in counters.items()}}
 
 
@@ -807,7 +859,7 @@ def _table(report: dict) -> str:
         lines.append(f"arrivals: {report['arrival_rate_rps']:.2f} req/s (fixed)")
     lines.append(f"{'workload':<8} {'path':<22} {'TTFT mean':>10} {'p50':>8} {'p99':>8} "
                  f"{'KV load':>9} {'memcpy':>8} {'of it':>15} {'+drop':>8} {'of it':>15} "
-                 f"{'prefill':>8} {'hit':>5} {'req/s':>6}")
+                 f"{'prefill':>8} {'hit':>5}")
     for workload, paths in report["workloads"].items():
         for name, row in paths.items():
             lines.append(f"{workload:<8} {name:<22} {row['ttft_s']['mean'] * 1e3:8.0f}ms "
@@ -816,7 +868,14 @@ def _table(report: dict) -> str:
                          f"{row['kv_memcpy_s'] * 1e3:6.1f}ms {_ratio(row, 'kv_load_of_bound')} "
                          f"{row['kv_floor_s'] * 1e3:6.1f}ms {_ratio(row, 'kv_load_of_floor')} "
                          f"{row['prefill_compute_s']['mean'] * 1e3:6.0f}ms "
-                         f"{row['hit_rate']:5.2f} {row['throughput_rps']:6.2f}")
+                         f"{row['hit_rate']:5.2f}")
+    for workload, paths in report["workloads"].items():
+        turns = f"{workload}: {sum(row['requests'] for row in paths.values())} requests, the " \
+                f"paths in turn, served at {report['throughput_rps'][workload]:.2f} req/s"
+        if workload in report["ttft_of_tcp"]:
+            turns += "; mean TTFT / tcp's: " + ", ".join(
+                f"{name} {ratio:.2f}" for name, ratio in report["ttft_of_tcp"][workload].items())
+        lines.append(turns)
     lines.append("(memcpy: a cold copy of the same bytes, the bound on a KV load; +drop: the "
                  "same with the bytes' lines dropped from the cache first, timed: the least a "
                  "read fresh from a non-coherent pool costs (R4); both timed in the decode "
