@@ -19,12 +19,13 @@ The same pipeline runs with the KV moved other ways, on the same
 requests: over a TCP socket between the two workers, through Mooncake Store
 over TCP (when it is installed), and through the pool with the prefix
 cache off.  The paths take turns within each workload: each prompt arrives
-once per path, one after another, the order rotated by one a prompt, so
-whatever drifts on the machine (its neighbours, the queue) falls on every
-path alike, and the TTFTs of two paths that compute the same tokens (TCP
-and the pool without its prefix cache) differ by their KV paths only.  Every path is a pull, as a P/D transfer is: the prefill side
-keeps the request's KV and tells the decode side, which asks for it (TCP:
-a request on the prefill worker's KV socket, served by its server thread;
+once per path, one after another, in the order of a Williams square
+(`_turns`), so whatever drifts on the machine (its neighbours, the queue)
+falls on every path alike, and the TTFTs of two paths that compute the same
+tokens (TCP and the pool without its prefix cache) differ by their KV paths
+only.  Every path is a pull, as a P/D transfer is: the prefill side keeps
+the request's KV and tells the decode side, which asks for it (TCP: a
+request on the prefill worker's KV socket, served by its server thread;
 Mooncake: ``batch_get_into``; tract: `Connector.take`); the KV load time
 runs from that ask to the last byte in the decode worker's memory.
 
@@ -450,7 +451,8 @@ def decode_worker(path: str, node: int, config: DemoConfig, inbox, handoffs, res
     KV and generate, as a continuous batch: a handoff joins after the step
     under way, and the running requests make a token each in turn (one
     sequence a step: the model is small and single-threaded), so a handoff
-    waits for one step, not for whole requests, as on a serving engine.  Results to ``results``, until ``inbox`` says stop."""
+    waits for one step, not for whole requests, as on a serving engine.
+    Results to ``results``, until ``inbox`` says stop."""
     from multiprocessing.connection import wait
 
     import torch
