@@ -65,6 +65,8 @@ FAST_MODULES = ("tract._kernels.indexfast", "tract._native._allocfast",
 #: the batched native steps of the mapping (its single primitives are what
 #: every trace is made of, and are held to the simulator's model of them)
 REGION_STEPS = ("copy_in_blocks", "copy_out_blocks", "digest_blocks")
+#: the mapping module's native functions that walk an engine's buffers
+REGION_WALKS = ("flat_segments",)
 
 
 def fast_entry_points():
@@ -88,7 +90,8 @@ def fast_entry_points():
                 continue
             found += [f"{name}.{cls_name}.{method}" for method, value in vars(cls).items()
                       if not method.startswith("_") and callable(value)]
-    return found + [f"tract._native._region.Region.{step}" for step in REGION_STEPS]
+    return found + [f"tract._native._region.Region.{step}" for step in REGION_STEPS] + \
+        [f"tract._native._region.{walk}" for walk in REGION_WALKS]
 
 
 def _resolves(dotted):

@@ -231,6 +231,64 @@ def test_bad_blocks_are_refused_before_a_byte_moves(pool):
     assert not out.any()
 
 
+def _spans(views) -> list[tuple[int, int]]:
+    """Where each view's bytes lie, and how many: what a copy would move."""
+    spans = []
+    for view in views:
+        flat = np.frombuffer(view, np.uint8)
+        spans.append((flat.ctypes.data, flat.size))
+    return spans
+
+
+def test_the_native_walk_is_the_python_walk_where_it_answers(pool):
+    """`flat_segments` (the walk of thousands of segments a load makes)
+    answers the common cases with exactly the offsets and bytes of the
+    engine's Python walk, and hands every other case to it (None): there
+    each refusal is explained as before."""
+    torch = pytest.importorskip("torch")
+    from tract._native._region import flat_segments
+
+    layout = _layout()
+    engine = TransferEngine(pool, layout)
+    piece, size = layout.piece_bytes, layout.block_bytes
+    raw = _blocks(layout, 3, 8)
+    typed = [block.view(np.float16) for block in raw]
+    offsets = np.array([0, size, 5 * size], np.int64)
+    answered = {
+        "whole blocks": raw,
+        "pieces": [_split(block, layout, "piece") for block in raw],
+        "layers, as tuples": [tuple(_split(block, layout, "layer")) for block in raw],
+        "typed pieces": [[p.view(np.float16) for p in _split(block, layout, "piece")]
+                         for block in raw],
+        "typed whole": typed,
+        "raw and typed": [[block[:piece], block[piece:].view(np.float16)] for block in raw],
+        "bytearrays": [[bytearray(p) for p in _split(block, layout, "layer")] for block in raw],
+        "none": [],
+    }
+    handed_back = {
+        "another type": [[p.view(np.float16).astype(np.float32) for p in _split(b, layout, "layer")]
+                         for b in raw],
+        "big-endian": [t.astype(">f2") for t in typed],
+        "strided": [np.repeat(block, 2)[::2] for block in raw],
+        "short": [block[:-piece] for block in raw],
+        "a split piece": [[block[:10], block[10:]] for block in raw],
+        "an empty segment": [[block[:0], block] for block in raw],
+        "tensors": [torch.from_numpy(t) for t in typed],
+        "too few": raw[:2],
+    }
+    for name, blocks in {**answered, **handed_back}.items():
+        where = offsets[:len(blocks)] if name != "too few" else offsets
+        fast = flat_segments(where, blocks, size, piece, b"e")
+        if name in handed_back:
+            assert fast is None, name
+            continue
+        assert fast is not None, name
+        reference = engine._walk(where, blocks)
+        assert fast[0].dtype == np.int64 and fast[0].tolist() == reference[0].tolist(), name
+        assert _spans(fast[1]) == _spans(reference[1]), name
+    assert flat_segments(offsets, raw, size, 0, b"e") is None  # no piece size: the walk decides
+
+
 def test_block_checksums_are_xxh64_of_piece_digests():
     rng = np.random.default_rng(4)
     rows = rng.integers(0, 2**64, size=(5, 6), dtype=np.uint64)

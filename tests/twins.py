@@ -117,6 +117,9 @@ NOT_STEPS: dict[str, str] = {
         "reads the node-local slot words for tests; no pool memory",
     "tract._native._lockfast.Heartbeat.stop":
         "stops and joins the beating thread; writes nothing",
+    "tract._native._region.flat_segments":
+        "walks an engine's buffers, no pool memory: held to TransferEngine._walk by "
+        "tests/test_transfer.py",
     "tract._native._nodeheap.NodeHeap":
         "node-local memory (one host, so coherent): no cache control; held to its "
         "result by tests/test_alloc.py",

@@ -40,7 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from tract._native._region import Region, xxh64_rows
+from tract._native._region import Region, flat_segments, xxh64_rows
 from tract.errors import ConfigError, CudaError
 
 __all__ = ["DTYPE_BYTES", "LOAD_THREADS", "SPLIT_LOAD_BYTES", "CudaError", "KVLayout",
@@ -154,8 +154,10 @@ class TransferEngine:
         self.checksum, self.load_threads = checksum, load_threads
         self._helpers: ThreadPoolExecutor | None = None  # made by the first split load
         self._accepted = {np.dtype(np.uint8)}
+        self._format = b"B"  # the layout's element as a buffer names it (`flat_segments`)
         if layout.dtype in np.sctypeDict:
             self._accepted.add(np.dtype(layout.dtype))
+            self._format = memoryview(np.empty(0, layout.dtype)).format.encode()
         self.seed = int.from_bytes(pool.header.hash_key[8:16], "little")
         self._cuda = None
 
@@ -166,6 +168,16 @@ class TransferEngine:
         views with the pool offset of each, checked against the layout."""
         if len(blocks) != len(offsets):
             raise ValueError(f"{len(offsets)} offsets but {len(blocks)} blocks")
+        piece, want = self.layout.piece_bytes, self.layout.block_bytes
+        fast = flat_segments(np.ascontiguousarray(offsets, dtype=np.int64), blocks, want, piece,
+                             self._format)
+        if fast is not None:  # buffers that fit (thousands per load): walked natively
+            return fast
+        return self._walk(offsets, blocks)
+
+    def _walk(self, offsets, blocks: Sequence) -> tuple[np.ndarray, list]:
+        """`_segments`, a block and a segment at a time: any block an engine
+        hands (tensors, memoryviews...), each refusal explained."""
         piece, want = self.layout.piece_bytes, self.layout.block_bytes
         dtype = self.layout.dtype
         accepted = self._accepted  # numpy types taken without a name check (a segment

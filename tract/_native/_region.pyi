@@ -11,6 +11,8 @@ INSTRUCTIONS: dict[str, int]
 NONTEMPORAL: dict[str, int]
 
 def cpu_features() -> dict[str, bool]: ...
+def flat_segments(offsets: NDArray[int64], blocks: Any, block_bytes: int, piece: int,
+                  typed: bytes) -> tuple[NDArray[int64], list] | None: ...
 
 class Region:
     path: str

@@ -15,11 +15,12 @@ caller (``tract.platform.cache_control``) when it maps the pool and stored in
 the Region; nothing here asks the CPU again on a hot path.
 """
 
-from cpython.buffer cimport PyBuffer_FillInfo, PyBuffer_Release, PyObject_GetBuffer, PyBUF_SIMPLE, PyBUF_WRITABLE
+from cpython.buffer cimport (PyBuffer_FillInfo, PyBuffer_Release, PyObject_GetBuffer,
+                             PyBUF_C_CONTIGUOUS, PyBUF_FORMAT, PyBUF_SIMPLE, PyBUF_WRITABLE)
 from libc.errno cimport errno
 from libc.stdint cimport int64_t, uint8_t, uint16_t, uint32_t, uint64_t, uintptr_t
 from libc.stdlib cimport free, malloc
-from libc.string cimport memcpy, memset, strerror
+from libc.string cimport memcpy, memset, strcmp, strerror
 from posix.mman cimport MAP_FAILED, MAP_SHARED, PROT_READ, PROT_WRITE, mmap, munmap
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
 from posix.types cimport off_t
@@ -756,6 +757,52 @@ def xxh64(data, uint64_t seed=0):
         return digest
     finally:
         PyBuffer_Release(&view)
+
+
+def flat_segments(const int64_t[::1] offsets, blocks, int64_t block_bytes, int64_t piece,
+                  bytes typed):
+    """A transfer's walk over its blocks, for the common case, without a
+    Python step per segment: every block a list or tuple of C-contiguous
+    buffers (or one such buffer) of unsigned bytes or of format ``typed``
+    (the layout's element, as ``memoryview`` names it), each a whole
+    number of ``piece`` bytes, ``block_bytes`` in all.  Returns each
+    segment's pool offset (its block's, plus the bytes of the segments
+    before it) and the segments, flat; None for anything else, which the
+    caller's own walk checks and explains.  Reads no pool memory."""
+    cdef Py_ssize_t n = offsets.shape[0], i, count = 0, k = 0
+    cdef Py_buffer view
+    cdef int64_t total
+    cdef const char *format
+    cdef const char *want = typed
+    if len(blocks) != n or piece <= 0:
+        return None
+    for block in blocks:
+        count += len(block) if isinstance(block, (list, tuple)) else 1
+    where = numpy.empty(count, dtype=numpy.int64)
+    cdef int64_t[::1] at = where
+    flat = []
+    for i in range(n):
+        block = blocks[i]
+        segments = block if isinstance(block, (list, tuple)) else (block,)
+        total = 0
+        for segment in segments:
+            try:
+                PyObject_GetBuffer(segment, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT)
+            except (BufferError, ValueError, TypeError):
+                return None
+            format = view.format
+            good = (format == NULL or strcmp(format, "B") == 0 or strcmp(format, want) == 0) \
+                and view.len > 0 and view.len % piece == 0
+            at[k] = offsets[i] + total
+            total += view.len
+            PyBuffer_Release(&view)
+            if not good:
+                return None
+            flat.append(segment)
+            k += 1
+        if total != block_bytes:
+            return None
+    return where, flat
 
 
 def xxh64_rows(const uint64_t[:, ::1] rows, uint64_t seed=0):
