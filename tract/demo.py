@@ -39,14 +39,15 @@ KV path and the prefix cache, not a growing queue.
 
 Measured per workload and path: TTFT (arrival to the first token at the
 decode worker, its KV loaded), the decode side's KV load time beside its
-bounds, each timed in the decode worker right after that request's decode
+bounds, each timed in the decode worker right after that request's load
 (the same process, the same neighbours at work: `LoadBounds`): a cold
 memcpy of the same bytes, and the same memcpy with the bytes' lines
 dropped from the cache first, timed (the least a read fresh from a pool
 of ``coherence="none"`` costs, R4); each ratio is the median of the
 requests' paired ratios, with its range.  Then prefill compute time, hit
-rate and throughput.  Every request's tokens are
-checked against a single-process run of the same model (``token_exact``).
+rate, each path's mean TTFT over TCP's, and each workload's throughput.
+Every request's tokens are checked against a single-process run of the
+same model (``token_exact``).
 
 The KV layout: a block is ``layers x (K, V) x block_size x kv_heads x
 head_dim`` float32, token-major inside each (layer, K/V) piece, so every
@@ -119,7 +120,7 @@ class DemoConfig:
         against TCP and Mooncake."""
         lengths = (512, 1024) if quick else (512, 1024, 2048, 3072)
         return cls(experiment="static", lengths=lengths, input_tokens=max(lengths),
-                   output_tokens=3, requests=5 if quick else 12,
+                   output_tokens=3, requests=6 if quick else 12,  # whole squares
                    prefill_workers=1 if quick else 2,
                    paths=("tract_no_prefix_cache", "tcp", "mooncake_tcp"))
 
@@ -881,7 +882,7 @@ def _table(report: dict) -> str:
     lines.append("(memcpy: a cold copy of the same bytes, the bound on a KV load; +drop: the "
                  "same with the bytes' lines dropped from the cache first, timed: the least a "
                  "read fresh from a non-coherent pool costs (R4); both timed in the decode "
-                 "worker right after each request, medians; of it: the median of that time / "
+                 "worker right after each load, medians; of it: the median of that time / "
                  "its request's KV load [range])")
     return "\n".join(lines)
 
