@@ -45,7 +45,8 @@ memcpy of the same bytes, and the same memcpy with the bytes' lines
 dropped from the cache first, timed (the least a read fresh from a pool
 of ``coherence="none"`` costs, R4); each ratio is the median of the
 requests' paired ratios, with its range.  Then prefill compute time, hit
-rate, each path's mean TTFT over TCP's, and each workload's throughput.
+rate, each path's TTFT over TCP's for the same prompt (the median of the
+paired ratios, and their range), and each workload's throughput.
 Every request's tokens are checked against a single-process run of the
 same model (``token_exact``).
 
@@ -62,6 +63,7 @@ import contextlib
 import json
 import multiprocessing
 import os
+import queue
 import socket
 import statistics
 import struct
@@ -656,21 +658,32 @@ def run(config: DemoConfig, progress: bool = True) -> dict:
             their mean); their results, in order."""
             gaps = np.random.default_rng(config.seed + len(items)).exponential(1.0, len(items))
             gaps *= (len(items) - 1) / (qps * (gaps.sum() - gaps[0])) if len(items) > 1 else 0
-            start = time.monotonic()
-            for item, at in zip(items, np.cumsum(gaps) - gaps[0]):
-                time.sleep(max(0.0, start + at - time.monotonic()))
-                item.arrival = time.monotonic()
-                requests.put(item)
-            out = {}
-            while len(out) < len(items):
-                for worker in [*prefills, decode, manager]:
-                    if worker.exitcode not in (None, 0):
-                        raise RuntimeError(f"demo worker {worker.name} exited with code "
-                                           f"{worker.exitcode}")
-                with contextlib.suppress(Exception):
-                    result = results.get(timeout=1.0)
+            out: dict[str, dict] = {}
+
+            def collect(until: float | None) -> None:
+                """Take results as they come (the bar moves), until the
+                monotonic time ``until``, or until all are in."""
+                while len(out) < len(items):
+                    for worker in [*prefills, decode, manager]:
+                        if worker.exitcode not in (None, 0):
+                            raise RuntimeError(f"demo worker {worker.name} exited with code "
+                                               f"{worker.exitcode}")
+                    left = 1.0 if until is None else until - time.monotonic()
+                    if left <= 0:
+                        return
+                    try:
+                        result = results.get(timeout=min(left, 1.0))
+                    except queue.Empty:
+                        continue
                     out[result["rid"]] = result
                     bar.update(1)
+
+            start = time.monotonic()
+            for item, at in zip(items, np.cumsum(gaps) - gaps[0]):
+                collect(start + at)
+                item.arrival = time.monotonic()
+                requests.put(item)
+            collect(None)
             return [out[item.rid] for item in items]
 
         warm = np.arange(4 * BLOCK, dtype=np.int64)
@@ -813,6 +826,12 @@ def _of_load(name: str, ratios: list[float]) -> dict:
     return {name: statistics.median(ratios), f"{name}_range": [min(ratios), max(ratios)]}
 
 
+def _paired(ours: list[float], theirs: list[float]) -> dict:
+    """The median of the paired ratios ``ours[i] / theirs[i]``, and their range."""
+    ratios = [a / b for a, b in zip(ours, theirs)]
+    return {"median": statistics.median(ratios), "range": [min(ratios), max(ratios)]}
+
+
 def _report(config, runs, expected, counters, unavailable) -> dict:
     workloads_out, exact = {}, True
     for (workload, name), results in runs.items():
@@ -843,9 +862,12 @@ def _report(config, runs, expected, counters, unavailable) -> dict:
         if ours is not None:
             ratios[workload] = {name: row["kv_load_s"]["mean"] / paths[ours]["kv_load_s"]["mean"]
                                 for name, row in paths.items() if name in NETWORK_PATHS}
-    ttft_of_tcp = {workload: {name: row["ttft_s"]["mean"] / paths["tcp"]["ttft_s"]["mean"]
-                              for name, row in paths.items() if name != "tcp"}
-                   for workload, paths in workloads_out.items() if "tcp" in paths}
+    ttft_of_tcp = {}  # each path's TTFT over tcp's for the same prompt (they arrive in turn)
+    for workload, paths in workloads_out.items():
+        if "tcp" in paths:
+            ttft_of_tcp[workload] = {
+                name: _paired(row["ttft_samples_s"], paths["tcp"]["ttft_samples_s"])
+                for name, row in paths.items() if name != "tcp"}
     return {"token_exact": exact, "experiment": config.experiment, "config": asdict(config),
             "kv_block_bytes": config.layout().block_bytes, "workloads": workloads_out,
             "kv_load_speedup": ratios, "ttft_of_tcp": ttft_of_tcp, "unavailable": unavailable,
@@ -876,8 +898,9 @@ def _table(report: dict) -> str:
         turns = f"{workload}: {sum(row['requests'] for row in paths.values())} requests, the " \
                 f"paths in turn, served at {report['throughput_rps'][workload]:.2f} req/s"
         if workload in report["ttft_of_tcp"]:
-            turns += "; mean TTFT / tcp's: " + ", ".join(
-                f"{name} {ratio:.2f}" for name, ratio in report["ttft_of_tcp"][workload].items())
+            turns += "; TTFT / tcp's, by prompt: " + ", ".join(
+                f"{name} {ratio['median']:.2f} [{ratio['range'][0]:.2f}-{ratio['range'][1]:.2f}]"
+                for name, ratio in report["ttft_of_tcp"][workload].items())
         lines.append(turns)
     lines.append("(memcpy: a cold copy of the same bytes, the bound on a KV load; +drop: the "
                  "same with the bytes' lines dropped from the cache first, timed: the least a "
