@@ -579,9 +579,16 @@ def _mooncake_ports(stack) -> tuple[tuple[int, int] | None, str | None]:
 
 
 def _pool_bytes(config: DemoConfig) -> int:
-    block = config.layout().block_bytes
-    blocks = config.requests * (config.max_tokens // BLOCK) * 2  # both pool paths, unevicted
-    return min(4 << 30, max(256 << 20, blocks * block * 5 // 4))
+    """Room for the blocks of every workload on each pool path, and of the
+    rate burst: nothing is evicted, so no store pays for evictions (which
+    the network paths never do) and no prefix leaves the cache."""
+    pool_paths = sum(name.startswith("tract") for name in config.paths)
+    if config.experiment == "static":
+        blocks = config.requests * sum(_whole(length) // BLOCK for length in config.lengths)
+    else:
+        blocks = len(config.hit_rates) * config.requests * (config.max_tokens // BLOCK)
+    blocks = blocks * pool_paths + len(_rate_prompts(config)) * (config.max_tokens // BLOCK)
+    return min(8 << 30, max(256 << 20, blocks * config.layout().block_bytes * 5 // 4))
 
 
 def _warm_up() -> None:
