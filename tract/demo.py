@@ -828,15 +828,16 @@ def _summary(values: list[float]) -> dict[str, float]:
             "p99": float(np.percentile(ordered, 99))}
 
 
-def _of_load(name: str, ratios: list[float]) -> dict:
-    """A bound's paired ratios to its loads: their median, and their range."""
-    return {name: statistics.median(ratios), f"{name}_range": [min(ratios), max(ratios)]}
-
-
 def _paired(ours: list[float], theirs: list[float]) -> dict:
     """The median of the paired ratios ``ours[i] / theirs[i]``, and their range."""
     ratios = [a / b for a, b in zip(ours, theirs)]
     return {"median": statistics.median(ratios), "range": [min(ratios), max(ratios)]}
+
+
+def _of_load(name: str, bounds: list[float], loads: list[float]) -> dict:
+    """A bound's paired ratios to its loads: their median, and their range."""
+    paired = _paired(bounds, loads)
+    return {name: paired["median"], f"{name}_range": paired["range"]}
 
 
 def _report(config, runs, expected, counters, unavailable) -> dict:
@@ -846,10 +847,11 @@ def _report(config, runs, expected, counters, unavailable) -> dict:
                       if r["output"] != expected[(workload, i)]]
         exact &= not mismatched
         tokens = sum(r["tokens"] for r in results)
+        loads = [r["load_s"] for r in results]
         workloads_out.setdefault(workload, {})[name] = {
             "requests": len(results),
             "ttft_s": _summary([r["ttft_s"] for r in results]),
-            "kv_load_s": _summary([r["load_s"] for r in results]),
+            "kv_load_s": _summary(loads),
             "prefill_compute_s": _summary([r["compute_s"] for r in results]),
             "hit_rate": sum(r["hit_tokens"] for r in results) / tokens,
             "kv_bytes_per_request": statistics.fmean(
@@ -860,8 +862,8 @@ def _report(config, runs, expected, counters, unavailable) -> dict:
             "kv_load_pairs_s": [[r["load_s"], r["memcpy_s"], r["floor_s"]] for r in results],
             "kv_memcpy_s": statistics.median(r["memcpy_s"] for r in results),
             "kv_floor_s": statistics.median(r["floor_s"] for r in results),
-            **_of_load("kv_load_of_bound", [r["memcpy_s"] / r["load_s"] for r in results]),
-            **_of_load("kv_load_of_floor", [r["floor_s"] / r["load_s"] for r in results]),
+            **_of_load("kv_load_of_bound", [r["memcpy_s"] for r in results], loads),
+            **_of_load("kv_load_of_floor", [r["floor_s"] for r in results], loads),
         }
     ratios = {}
     for workload, paths in workloads_out.items():

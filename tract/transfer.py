@@ -180,14 +180,9 @@ class TransferEngine:
         hands (tensors, memoryviews...), each refusal explained."""
         piece, want = self.layout.piece_bytes, self.layout.block_bytes
         dtype = self.layout.dtype
-        accepted = self._accepted  # numpy types taken without a name check (a segment
-        views, where = [], []      # per layer and K/V: thousands per load)
+        accepted = self._accepted  # numpy types taken without a name check
+        views, where = [], []
         for row, (offset, block) in enumerate(zip(np.asarray(offsets).tolist(), blocks)):
-            if type(block) is np.ndarray and block.nbytes == want and block.flags.c_contiguous \
-                    and block.dtype == np.uint8:
-                views.append(block)  # the common case: one array per block, taken as is
-                where.append(offset)
-                continue
             segments = block if isinstance(block, (list, tuple)) else [block]
             total = 0
             for segment in segments:
