@@ -477,3 +477,146 @@ def test_load_u64s_reads_a_line_of_fields(region):
         region.load_u64s(4, 1)
     with pytest.raises(BoundsError, match="outside region"):
         region.load_u64s(region.size - 8, 2)
+
+
+# ------------------------------------------------------------ shadow memory
+
+SHADOW = 16 * 1024
+
+
+@pytest.fixture(scope="module")
+def shadow_regions():
+    """A 64 KiB region per (flush instruction, streaming kind) this CPU has."""
+    import dataclasses
+    path = f"/dev/shm/tract-test-shadow-{os.getpid()}"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    os.ftruncate(fd, 64 * 1024)
+    regions = {}
+    for flush in platform.FLUSH_CHOICES:
+        if not platform.cpu_features()[flush]:
+            continue
+        for kind in _kinds():
+            control = dataclasses.replace(platform.cache_control(flush), nontemporal=kind)
+            regions[flush, kind] = map_fd(fd, 64 * 1024, 0, path, "file", control)
+    os.close(fd)
+    os.unlink(path)
+    yield regions
+    for region in regions.values():
+        region.close()
+
+
+def _lines_of(offset, length):
+    return range(offset // 64 * 64, offset + length, 64) if length else range(0)
+
+
+def _shadowed(region, rng):
+    """Random bytes in the cache and other random bytes in memory, the
+    shadow on; (memory, the cache's bytes at the start)."""
+    cache = rng.integers(0, 256, SHADOW, dtype=numpy.uint8)
+    region.copy_in(0, cache, nontemporal=False)
+    memory = rng.integers(0, 256, SHADOW, dtype=numpy.uint8)
+    region.trace_start(1 << 14, memory=memory)
+    return memory, cache
+
+
+def test_the_shadow_moves_exactly_the_lines_a_fence_completes(shadow_regions):
+    """Under the shadow memory each write-back primitive carries to memory
+    exactly the lines of its range that the cache holds dirty, as they were
+    when it ran, once a fence completes it; an invalidation refetches
+    exactly its lines, at the fence; what no fence completed moved nothing.
+    The expectations are drawn here, line by line, not from a reference
+    that runs the same primitives."""
+    rng = numpy.random.default_rng(50)
+    for (flush, kind), region in shadow_regions.items():
+        for trial in range(40):
+            offset = int(rng.integers(0, SHADOW - 2048))
+            length = int(rng.integers(0, 1500))
+            data = rng.integers(0, 256, length, dtype=numpy.uint8)
+            how = ["flush", "writeback", "flush_lines", "unfenced"][trial % 4]
+            memory, cache = _shadowed(region, rng)
+            region.copy_in(offset, data, nontemporal=False)
+            cache[offset:offset + length] = data
+            if how == "flush_lines":
+                offsets = numpy.array(list(_lines_of(offset, length)), dtype=numpy.int64)
+                region.flush_lines(offsets)
+            else:
+                getattr(region, "writeback" if how == "writeback" else "flush")(offset, length)
+            stored_after = offset + length < SHADOW and how != "unfenced"
+            if stored_after:  # a store after the write-back: not carried
+                region.store_u8(offset + length, int(cache[offset + length]) ^ 0xFF)
+            before = memory.copy()
+            if how != "unfenced":
+                region.fence()
+            region.trace_stop()
+            expected = before.copy()
+            if how != "unfenced":
+                for line in _lines_of(offset, length):
+                    expected[line:line + 64] = cache[line:line + 64]
+            at = (flush, kind, trial, how, offset, length)
+            assert numpy.array_equal(memory, expected), at
+            if stored_after:
+                region.store_u8(offset + length, int(cache[offset + length]))
+
+            memory, cache = _shadowed(region, rng)
+            region.invalidate(offset, length)
+            stale = numpy.frombuffer(region.read(0, SHADOW), dtype=numpy.uint8).copy()
+            assert numpy.array_equal(stale, cache), at  # not before the fence
+            region.fence()
+            region.trace_stop()
+            fresh = numpy.frombuffer(region.read(0, SHADOW), dtype=numpy.uint8)
+            expected = cache.copy()
+            for line in _lines_of(offset, length):
+                expected[line:line + 64] = memory[line:line + 64]
+            assert numpy.array_equal(fresh, expected), at
+
+
+def test_the_shadow_sees_every_copy_reach_memory(shadow_regions):
+    """Under the shadow memory, a non-temporal copy in (streaming stores,
+    the partial end lines written back, the store fence), a batch of block
+    copies, plain or checksummed, each leave in memory exactly their bytes
+    and, on the partial end lines, the cache's own; and a copy out after an
+    invalidation and its fence reads memory, before the fence the cache."""
+    rng = numpy.random.default_rng(51)
+    for (flush, kind), region in shadow_regions.items():
+        for trial in range(30):
+            sizes = [int(rng.integers(1, 3000)) for _ in range(int(rng.integers(1, 4)))]
+            offsets, at = [], int(rng.integers(0, 200))
+            for size in sizes:
+                offsets.append(at)
+                at += size + int(rng.integers(0, 300))
+            sources = [rng.integers(0, 256, size, dtype=numpy.uint8) for size in sizes]
+            how = ["copy_in", "blocks", "digests"][trial % 3]
+            memory, cache = _shadowed(region, rng)
+            if how == "copy_in":
+                for offset, source in zip(offsets, sources):
+                    region.copy_in(offset, source)
+            else:
+                sums = numpy.zeros(len(sizes), numpy.uint64) if how == "digests" else None
+                region.copy_in_blocks(numpy.array(offsets, numpy.int64), sources, sums)
+            region.trace_stop()
+            expected = memory.copy()
+            for offset, source in zip(offsets, sources):
+                for line in _lines_of(offset, source.size):
+                    expected[line:line + 64] = cache[line:line + 64]
+            for offset, source in zip(offsets, sources):
+                expected[offset:offset + source.size] = source
+            assert numpy.array_equal(memory, expected), (flush, kind, trial, how)
+
+            memory, cache = _shadowed(region, rng)
+            early = numpy.zeros(sizes[0], numpy.uint8)
+            region.invalidate(offsets[0], sizes[0])
+            region.copy_out(offsets[0], early)
+            region.fence()
+            targets = [numpy.zeros(size, numpy.uint8) for size in sizes]
+            region.copy_out_blocks(numpy.array(offsets, numpy.int64), targets)
+            region.trace_stop()
+            assert numpy.array_equal(early, cache[offsets[0]:offsets[0] + sizes[0]])
+            for offset, target in zip(offsets, targets):
+                assert numpy.array_equal(target, memory[offset:offset + target.size])
+
+
+def test_the_shadow_is_refused_when_it_does_not_fit(region):
+    with pytest.raises(ValueError, match="whole 64-byte lines"):
+        region.trace_start(memory=numpy.zeros(100, numpy.uint8))
+    with pytest.raises(ValueError, match="at most the mapping's"):
+        region.trace_start(memory=numpy.zeros(region.size + 64, numpy.uint8))

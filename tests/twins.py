@@ -13,10 +13,21 @@ primitives), and `check` requires
 - the same bytes afterwards;
 - the same fence-separated batches of ``(instruction, line)``: order inside
   a batch is free, the batches come in the same order, each closed by the
-  same kind of fence.
+  same kind of fence;
+- the same *memory* afterwards.  Each side runs against the shadow memory
+  of the native trace (`Region.trace_start` with ``memory``): the mapping
+  is this host's cache and the shadow what memory holds, which only a
+  flush, write-back or streaming store completed by a fence changes, and
+  from which only an invalidation completed by a fence refetches.  Every
+  line of the areas starts *stale* in the cache (`STALE`: the bytes of
+  memory inverted, as if another host had written them all since this host
+  fetched them), so a read before its invalidation and fence reads what no
+  host wrote, and a store after the write-back that should carry it never
+  reaches memory: the order of the data against the cache control shows,
+  which batches alone, free inside, do not.
 
 So the simulator's verdict on a reference carries over to its twin, and the
-mutation harness's deletions in native code are caught here
+mutation harness's deletions and moves in native code are caught here
 (``python -m tract.testing.mutants``).  `tests/test_rules.py` fails when a
 fast entry point has no entry here.
 """
@@ -29,10 +40,11 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from tract._native._region import INSTRUCTIONS, TRACE_FENCE
+from tract._native._region import INSTRUCTIONS, LINE, TRACE_FENCE
 
-__all__ = ["INSTRUCTIONS", "NOT_STEPS", "TWINS", "UNPROVEN", "Outcome", "Twin", "batches", "both", "check",
-           "compose", "drop_refetch", "hoist_reads", "merge_into_first", "run", "twin"]
+__all__ = ["INSTRUCTIONS", "NOT_STEPS", "STALE", "TWINS", "UNPROVEN", "Outcome", "Twin", "batches",
+           "both", "check", "compose", "drop_refetch", "hoist_reads", "merge_into_first", "run",
+           "twin"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,22 +248,45 @@ def compose(*adjustments: Adjust) -> Adjust:
 @dataclasses.dataclass
 class Outcome:
     """What one side did: its result (or its error's type and message), the
-    bytes of the areas afterwards and its trace's batches."""
+    bytes of the areas afterwards in its cache (the mapping) and in memory
+    (the shadow; None without one), and its trace's batches."""
 
     result: object
     after: list[bytes]
     batches: list[Batch]
+    memory: list[bytes] | None = None
+
+
+Lines = Callable[[int], bool]
+
+
+def STALE(offset: int) -> bool:  # noqa: N802 (a constant policy, named as one)
+    """The default: every line of the areas starts stale in the cache."""
+    return True
 
 
 def run(region, areas: Sequence[tuple[int, int]], step: Callable[[], object],
         start: Sequence[bytes] | None = None, *, capacity: int = 1 << 16,
-        errors: tuple[type[BaseException], ...] = (Exception,)) -> Outcome:
+        errors: tuple[type[BaseException], ...] = (Exception,),
+        stale: Lines | None = STALE, shadow: bool = True) -> Outcome:
     """``step()`` from the bytes ``start`` of ``areas`` (``(offset,
-    length)`` of ``region``; default: as they are), under the trace."""
+    length)`` of ``region``; default: as they are) in memory, under the
+    trace and, with ``shadow``, against the shadow memory, the lines of the
+    areas that ``stale`` names (by offset) holding in the cache the bytes of
+    memory inverted."""
     if start is not None:
         for (offset, _), data in zip(areas, start):
             region.copy_in(offset, data, nontemporal=False)
-    region.trace_start(capacity)
+    memory, stale_lines = None, []
+    if shadow:
+        extent = -(-max(offset + length for offset, length in areas) // LINE) * LINE
+        memory = np.frombuffer(region.read(0, extent), dtype=np.uint8).copy()
+        stale_lines = sorted({line for offset, length in areas
+                              for line in range(offset // LINE * LINE, offset + length, LINE)
+                              if stale is not None and stale(line)})
+        for line in stale_lines:
+            region.copy_in(line, ~memory[line:line + LINE], nontemporal=False)
+    region.trace_start(capacity, memory=memory)
     try:
         try:
             result = step()
@@ -259,8 +294,14 @@ def run(region, areas: Sequence[tuple[int, int]], step: Callable[[], object],
             result = (type(error), str(error))
     finally:
         trace = region.trace_stop()
+        for line in stale_lines:  # a line the step left as it was stale: fetched anew
+            if np.array_equal(np.frombuffer(region.read(line, LINE), dtype=np.uint8),
+                              ~memory[line:line + LINE]):
+                region.copy_in(line, memory[line:line + LINE], nontemporal=False)
     return Outcome(result, [bytes(region.read(offset, length)) for offset, length in areas],
-                   batches(trace))
+                   batches(trace),
+                   None if memory is None else
+                   [memory[offset:offset + length].tobytes() for offset, length in areas])
 
 
 def both(region, areas, reference: Callable[[], object], fast: Callable[[], object], **options
@@ -283,11 +324,15 @@ def check(name: str, reference: Outcome, fast: Outcome, *,
     agree = same(reference.result, fast.result) if same else _equal(reference.result,
                                                                      fast.result)
     assert agree, f"{where}: result {fast.result!r}, its reference {reference.result!r}"
-    for index, (want, got) in enumerate(zip(reference.after, fast.after)):
-        if want != got:
-            at = next(i for i, (a, b) in enumerate(zip(want, got)) if a != b)
-            raise AssertionError(f"{where}: area {index} differs from its reference first at "
-                                 f"byte {at}")
+    for what, wanted, found in (("area", reference.after, fast.after),
+                                ("memory of area", reference.memory or [], fast.memory or [])):
+        for index, (want, got) in enumerate(zip(wanted, found)):
+            if want != got:
+                at = next(i for i, (a, b) in enumerate(zip(want, got)) if a != b)
+                raise AssertionError(f"{where}: {what} {index} differs from its reference "
+                                     f"first at byte {at}")
+    assert (reference.memory is None) == (fast.memory is None), \
+        f"{where}: one side ran against the shadow memory, the other did not"
     want, got = adjust(reference.batches, fast.batches) if adjust else \
         (reference.batches, fast.batches)
     if want != got:

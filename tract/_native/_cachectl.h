@@ -141,14 +141,45 @@ enum tract_trace_op {
     TRACT_TRACE_LOAD_FENCE = 18
 };
 
+/* The shadow memory (DESIGN.md §5: twins that see the data).  While a trace
+ * runs with a shadow, the mapping stands for one host's *cache* and the
+ * shadow for the *memory* behind it, over the lines [base, base + 64 *
+ * lines): a flush, invalidate or write-back only queues its line, with a
+ * copy of the bytes the cache holds then; the next fence of any kind (as in
+ * tract.testing.incoherent) completes the queue: a line that was dirty (its
+ * bytes differ from those of its last fetch) or written by streaming stores
+ * goes to memory as it was when queued, and a dropped line that no store
+ * touched since is fetched again from memory.  Loads and stores are the
+ * native code's own, on the cache: a store after the write-back that should
+ * carry it never reaches memory, and a read before its invalidation and
+ * fence sees what the cache held, which a test makes stale.  So a twin test
+ * compares the memory a step leaves, not only its cache. */
+enum tract_shadow_kind {
+    TRACT_SHADOW_WRITE = 1,  /* write back if dirty */
+    TRACT_SHADOW_DROP = 2,   /* then fetch again */
+    TRACT_SHADOW_WHOLE = 4   /* streamed: to memory whatever it held before */
+};
+
+typedef struct {
+    char *base;          /* the first line shadowed; NULL: no shadow */
+    size_t lines;
+    uint8_t *memory;     /* what memory holds, 64 bytes a line */
+    uint8_t *fetched;    /* what the cache held at each line's last fetch or write-back */
+    uint8_t *queued;     /* each queued line's bytes when it was queued */
+    uint8_t *kinds;      /* per line: 0, or the tract_shadow_kind bits queued */
+    int64_t *queue;      /* the lines queued, in order */
+    size_t count;
+} tract_shadow_t;
+
 typedef struct {
     int64_t *entries;    /* capacity pairs (op, address); NULL: no trace */
     size_t capacity;
     size_t count;        /* pairs recorded; more than capacity: it overflowed */
     pthread_t thread;    /* the thread whose calls are recorded */
+    tract_shadow_t shadow;
 } tract_trace_t;
 
-__attribute__((unused)) static tract_trace_t tract_trace_own = {NULL, 0, 0};
+__attribute__((unused)) static tract_trace_t tract_trace_own;
 __attribute__((unused)) static tract_trace_t *tract_trace = &tract_trace_own;
 
 static inline void tract_trace_bind(tract_trace_t *shared) { tract_trace = shared; }
@@ -159,6 +190,7 @@ static inline void tract_trace_begin(int64_t *entries, size_t capacity)
     tract_trace->capacity = capacity;
     tract_trace->count = 0;
     tract_trace->thread = pthread_self();
+    tract_trace->shadow.base = NULL;
     tract_trace->entries = entries;
 }
 
@@ -166,13 +198,61 @@ static inline void tract_trace_begin(int64_t *entries, size_t capacity)
 static inline size_t tract_trace_end(void)
 {
     tract_trace->entries = NULL;
+    tract_trace->shadow.base = NULL;
     return tract_trace->count;
 }
+
+/* A line op of the shadow: queue the line with the bytes it holds now. */
+static inline void tract_shadow_line(tract_shadow_t *s, int kind, uintptr_t address)
+{
+    if (address < (uintptr_t)s->base) return;
+    size_t line = (address - (uintptr_t)s->base) / TRACT_LINE;
+    if (line >= s->lines) return;
+    if (!s->kinds[line]) s->queue[s->count++] = (int64_t)line;
+    s->kinds[line] |= (uint8_t)kind;
+    memcpy(s->queued + line * TRACT_LINE, s->base + line * TRACT_LINE, TRACT_LINE);
+}
+
+/* A fence of the shadow: every queued line completes, in order. */
+static inline void tract_shadow_fence(tract_shadow_t *s)
+{
+    for (size_t i = 0; i < s->count; i++) {
+        size_t line = (size_t)s->queue[i], at = line * TRACT_LINE;
+        int kind = s->kinds[line];
+        char *cache = s->base + at;
+        int unchanged = !memcmp(cache, s->queued + at, TRACT_LINE);
+        if ((kind & TRACT_SHADOW_WHOLE) || memcmp(s->queued + at, s->fetched + at, TRACT_LINE)) {
+            memcpy(s->memory + at, s->queued + at, TRACT_LINE);
+            memcpy(s->fetched + at, s->queued + at, TRACT_LINE);
+        }
+        if (unchanged && (kind & TRACT_SHADOW_DROP)) {
+            memcpy(cache, s->memory + at, TRACT_LINE);
+            memcpy(s->fetched + at, s->memory + at, TRACT_LINE);
+        }
+        s->kinds[line] = 0;
+    }
+    s->count = 0;
+}
+
+/* TRACT_TRACE_STREAM: a line written by streaming stores; it goes to the
+ * shadow only (the trace's entries are cache control). */
+#define TRACT_TRACE_STREAM 32
 
 __attribute__((unused, noinline)) static void tract_trace_record(int64_t op, uintptr_t address)
 {
     tract_trace_t *t = tract_trace;
     if (!pthread_equal(pthread_self(), t->thread)) return;
+    if (t->shadow.base) {
+        if (op >= TRACT_TRACE_FENCE && op < TRACT_TRACE_STREAM)
+            tract_shadow_fence(&t->shadow);
+        else if (op == TRACT_TRACE_STREAM)
+            tract_shadow_line(&t->shadow, TRACT_SHADOW_WHOLE | TRACT_SHADOW_DROP, address);
+        else
+            tract_shadow_line(&t->shadow, op == TRACT_INSN_CLWB || op == TRACT_INSN_DC_CVAC
+                              ? TRACT_SHADOW_WRITE : TRACT_SHADOW_WRITE | TRACT_SHADOW_DROP,
+                              address);
+    }
+    if (op == TRACT_TRACE_STREAM) return;
     if (t->count < t->capacity) {
         t->entries[2 * t->count] = op;
         t->entries[2 * t->count + 1] = (int64_t)address;
@@ -191,6 +271,12 @@ __attribute__((unused, noinline)) static void tract_trace_record(int64_t op, uin
 #define TRACT_TRACED(op, address) \
     do { if (TRACT_TRACING) tract_trace_record((op), (uintptr_t)(address)); } while (0)
 
+/* The lines of [dst, dst + n) were just written by streaming stores (whole,
+ * line-aligned): for the shadow, which sends them to memory at the fence. */
+#define TRACT_STREAMED(dst, n) do { if (TRACT_TRACING) { \
+    for (size_t tract_at_ = 0; tract_at_ < (size_t)(n); tract_at_ += TRACT_LINE) \
+        tract_trace_record(TRACT_TRACE_STREAM, (uintptr_t)(dst) + tract_at_); } } while (0)
+
 /* ------------------------------------------------------------ range loops */
 
 #define TRACT_FOR_LINES(p, addr, len) \
@@ -202,14 +288,20 @@ __attribute__((unused, noinline)) static void tract_trace_record(int64_t op, uin
 __attribute__((target("clflushopt")))
 static void tract_clflushopt_range(const char *addr, size_t len)
 {
-    TRACT_FOR_LINES(p, addr, len) _mm_clflushopt((void *)p);
+    TRACT_FOR_LINES(p, addr, len) {
+        TRACT_TRACED(TRACT_INSN_CLFLUSHOPT, p);
+        _mm_clflushopt((void *)p);
+    }
 }
 
 /* Write back each line, which may stay cached; weakly ordered. */
 __attribute__((target("clwb")))
 static void tract_clwb_range(const char *addr, size_t len)
 {
-    TRACT_FOR_LINES(p, addr, len) _mm_clwb((void *)p);
+    TRACT_FOR_LINES(p, addr, len) {
+        TRACT_TRACED(TRACT_INSN_CLWB, p);
+        _mm_clwb((void *)p);
+    }
 }
 #endif
 
@@ -218,28 +310,40 @@ static void tract_clwb_range(const char *addr, size_t len)
  * (flush, invalidate, write-back) once, when it maps the pool. */
 static inline void tract_lines(int insn, const char *addr, size_t len)
 {
-    if (len == 0) return;
-    if (TRACT_TRACING && insn != TRACT_INSN_NONE) {
-        TRACT_FOR_LINES(p, addr, len) tract_trace_record(insn, (uintptr_t)p);
-    }
+    if (len == 0 || insn == TRACT_INSN_NONE) return;  /* NONE: a coherent pool */
+    /* each loop records its line as it issues the instruction (one loop, so
+     * the trace and the shadow see exactly the lines the instruction does) */
     switch (insn) {
 #ifdef TRACT_X86
     /* write back and drop; ordered with other stores */
-    case TRACT_INSN_CLFLUSH: { TRACT_FOR_LINES(p, addr, len) _mm_clflush(p); } break;
+    case TRACT_INSN_CLFLUSH:
+        TRACT_FOR_LINES(p, addr, len) {
+            TRACT_TRACED(TRACT_INSN_CLFLUSH, p);
+            _mm_clflush(p);
+        }
+        break;
     case TRACT_INSN_CLFLUSHOPT: tract_clflushopt_range(addr, len); break;
     case TRACT_INSN_CLWB: tract_clwb_range(addr, len); break;
 #endif
 #ifdef TRACT_AARCH64
     /* clean and invalidate to the point of coherency */
-    case TRACT_INSN_DC_CIVAC: {
-        TRACT_FOR_LINES(p, addr, len) __asm__ volatile("dc civac, %0" :: "r"(p) : "memory");
-    } break;
+    case TRACT_INSN_DC_CIVAC:
+        TRACT_FOR_LINES(p, addr, len) {
+            TRACT_TRACED(TRACT_INSN_DC_CIVAC, p);
+            __asm__ volatile("dc civac, %0" :: "r"(p) : "memory");
+        }
+        break;
     /* clean to the point of coherency; the line may stay cached */
-    case TRACT_INSN_DC_CVAC: {
-        TRACT_FOR_LINES(p, addr, len) __asm__ volatile("dc cvac, %0" :: "r"(p) : "memory");
-    } break;
+    case TRACT_INSN_DC_CVAC:
+        TRACT_FOR_LINES(p, addr, len) {
+            TRACT_TRACED(TRACT_INSN_DC_CVAC, p);
+            __asm__ volatile("dc cvac, %0" :: "r"(p) : "memory");
+        }
+        break;
 #endif
-    default: break;  /* NONE: a coherent pool, or no instruction exists */
+    default:  /* an instruction this build cannot issue: recorded, so traces agree */
+        TRACT_FOR_LINES(p, addr, len) TRACT_TRACED(insn, p);
+        break;
     }
 }
 
@@ -300,9 +404,12 @@ static void tract_stream_avx512(char *dst, const char *src, size_t n)
         _mm512_stream_si512((void *)(dst + 64), b);
         _mm512_stream_si512((void *)(dst + 128), c);
         _mm512_stream_si512((void *)(dst + 192), d);
+        TRACT_STREAMED(dst, 256);
     }
-    for (; n; n -= 64, dst += 64, src += 64)
+    for (; n; n -= 64, dst += 64, src += 64) {
         _mm512_stream_si512((void *)dst, _mm512_loadu_si512((const void *)src));
+        TRACT_STREAMED(dst, 64);
+    }
 }
 
 __attribute__((target("avx2")))
@@ -317,10 +424,12 @@ static void tract_stream_avx2(char *dst, const char *src, size_t n)
         _mm256_stream_si256((__m256i *)(dst + 32), b);
         _mm256_stream_si256((__m256i *)(dst + 64), c);
         _mm256_stream_si256((__m256i *)(dst + 96), d);
+        TRACT_STREAMED(dst, 128);
     }
     for (; n; n -= 64, dst += 64, src += 64) {
         _mm256_stream_si256((__m256i *)dst, _mm256_loadu_si256((const __m256i *)src));
         _mm256_stream_si256((__m256i *)(dst + 32), _mm256_loadu_si256((const __m256i *)(src + 32)));
+        TRACT_STREAMED(dst, 64);
     }
 }
 
@@ -335,6 +444,7 @@ static void tract_stream_sse2(char *dst, const char *src, size_t n)
         _mm_stream_si128((__m128i *)(dst + 16), b);
         _mm_stream_si128((__m128i *)(dst + 32), c);
         _mm_stream_si128((__m128i *)(dst + 48), d);
+        TRACT_STREAMED(dst, 64);
     }
 }
 #endif
@@ -572,6 +682,7 @@ static inline void tract_xxh3_stripe(uint64_t acc[8], const char *src, const uns
 #ifdef TRACT_X86
         if (nt) {
             for (int i = 0; i < 8; i++) _mm_stream_si64((long long *)(dst + 8 * i), (long long)data[i]);
+            TRACT_STREAMED(dst, 64);
             return;
         }
 #endif
@@ -604,6 +715,7 @@ static void tract_xxh3_stripes_avx2(uint64_t acc64[8], const char *src, const un
                 else _mm256_storeu_si256((__m256i *)(dst + 32 * j), data);
             }
         }
+        if (dst && nt) TRACT_STREAMED(dst, 64);
         if (dst) dst += 64;
     }
     _mm256_storeu_si256((__m256i *)acc64, acc[0]);
@@ -638,6 +750,7 @@ static void tract_xxh3_stripes_avx512(uint64_t acc64[8], const char *src,
             if (nt) {
                 _mm512_stream_si512((void *)dst, first);
                 _mm512_stream_si512((void *)(dst + 64), second);
+                TRACT_STREAMED(dst, 128);
             } else {
                 _mm512_storeu_si512((void *)dst, first);
                 _mm512_storeu_si512((void *)(dst + 64), second);
@@ -650,8 +763,12 @@ static void tract_xxh3_stripes_avx512(uint64_t acc64[8], const char *src,
     if (s < count) {
         __m512i data = _mm512_loadu_si512((const void *)src);
         if (dst) {
-            if (nt) _mm512_stream_si512((void *)dst, data);
-            else _mm512_storeu_si512((void *)dst, data);
+            if (nt) {
+                _mm512_stream_si512((void *)dst, data);
+                TRACT_STREAMED(dst, 64);
+            } else {
+                _mm512_storeu_si512((void *)dst, data);
+            }
         }
         acc = _mm512_add_epi64(acc, tract_xxh3_mix512(data, key));
     }

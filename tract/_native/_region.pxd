@@ -8,11 +8,21 @@ cache-control trace when it loads: ``tract_trace_bind(trace_state())``.
 """
 
 from cpython.buffer cimport Py_buffer
-from libc.stdint cimport int64_t, uint64_t
+from libc.stdint cimport int64_t, uint8_t, uint64_t
 
 cdef extern from "_cachectl.h" nogil:
+    ctypedef struct tract_shadow_t:
+        char *base
+        size_t lines
+        uint8_t *memory
+        uint8_t *fetched
+        uint8_t *queued
+        uint8_t *kinds
+        int64_t *queue
+        size_t count
     ctypedef struct tract_trace_t:
         int64_t *entries
+        tract_shadow_t shadow
     void tract_trace_bind(tract_trace_t *shared) noexcept
 
 

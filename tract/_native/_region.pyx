@@ -56,6 +56,18 @@ cdef extern from "_cachectl.h" nogil:
     uint64_t tract_xxh64(const char *p, size_t n, uint64_t seed) noexcept
     uint64_t tract_digest_copy(char *dst, const char *src, size_t n, uint64_t seed, int nt,
                                int kind, int insn) noexcept
+    ctypedef struct tract_shadow_t:
+        char *base
+        size_t lines
+        uint8_t *memory
+        uint8_t *fetched
+        uint8_t *queued
+        uint8_t *kinds
+        int64_t *queue
+        size_t count
+    ctypedef struct tract_trace_t:
+        int64_t *entries
+        tract_shadow_t shadow
     tract_trace_t *tract_trace
     void tract_trace_begin(int64_t *entries, size_t capacity) noexcept
     size_t tract_trace_end() noexcept
@@ -624,20 +636,55 @@ cdef class Region:
         step over threads keeps it on one while it is."""
         return tract_trace.entries != NULL
 
-    def trace_start(self, Py_ssize_t capacity=1 << 16):
+    def trace_start(self, Py_ssize_t capacity=1 << 16, memory=None):
         """Record the cache control of this thread from now on, in every
         native step and kernel of the process (DESIGN.md §5): each line a
         flush, invalidate or write-back touches, and each fence, in call
-        order, up to ``capacity`` entries.  One trace at a time."""
+        order, up to ``capacity`` entries.  One trace at a time.
+
+        With ``memory`` (a writable C-contiguous uint8 array of whole lines,
+        at most the mapping's size), this thread's steps also run against a
+        shadow memory over the mapping's first ``len(memory)`` bytes: the
+        mapping is then this host's cache, ``memory`` what memory holds,
+        and only flushes, write-backs and streaming stores completed by a
+        fence move bytes to it; an invalidated line is fetched from it at
+        the fence (``_cachectl.h``, the shadow memory).  Each line's cache
+        bytes count as fetched clean when the trace starts."""
         global _trace_buffer
         if capacity <= 0:
             raise ValueError(f"trace capacity must be positive, got {capacity}")
         if tract_trace.entries != NULL:
             raise RuntimeError("a cache-control trace is already on; trace_stop it first")
+        self._check(0, 0)
+        cdef uint8_t[::1] shadow_memory, fetched, queued, kinds
+        cdef int64_t[::1] queue
+        cdef size_t lines = 0
+        if memory is not None:
+            shadow_memory = memory
+            if shadow_memory.shape[0] % LINE or <size_t>shadow_memory.shape[0] > self._size \
+                    or shadow_memory.shape[0] == 0:
+                raise ValueError(f"a shadow memory must be whole {LINE}-byte lines, at most "
+                                 f"the mapping's {self._size} bytes; got "
+                                 f"{shadow_memory.shape[0]} bytes")
+            lines = shadow_memory.shape[0] // LINE
+            fetched = numpy.frombuffer(self._base[:lines * LINE], dtype=numpy.uint8).copy()
+            queued = numpy.zeros(lines * LINE, dtype=numpy.uint8)
+            kinds = numpy.zeros(lines, dtype=numpy.uint8)
+            queue = numpy.zeros(lines, dtype=numpy.int64)
         buffer = numpy.zeros((capacity, 2), dtype=numpy.int64)
         cdef int64_t[:, ::1] entries = buffer
-        _trace_buffer = buffer
+        _trace_buffer = (buffer, memory, None, None, None, None) if memory is None else \
+            (buffer, memory, fetched, queued, kinds, queue)
         tract_trace_begin(&entries[0, 0], capacity)
+        if lines:
+            tract_trace.shadow.memory = &shadow_memory[0]
+            tract_trace.shadow.fetched = &fetched[0]
+            tract_trace.shadow.queued = &queued[0]
+            tract_trace.shadow.kinds = &kinds[0]
+            tract_trace.shadow.queue = &queue[0]
+            tract_trace.shadow.lines = lines
+            tract_trace.shadow.count = 0
+            tract_trace.shadow.base = self._base
 
     def trace_stop(self):
         """End the trace; an ``(n, 2)`` int64 array of ``(op, offset)``.
@@ -653,7 +700,7 @@ cdef class Region:
         if tract_trace.entries == NULL:
             raise RuntimeError("no cache-control trace is on")
         cdef size_t made = tract_trace_end()
-        buffer, _trace_buffer = _trace_buffer, None
+        buffer, _trace_buffer = _trace_buffer[0], None
         if made > <size_t>buffer.shape[0]:
             raise OverflowError(f"the cache-control trace held {buffer.shape[0]} entries "
                                 f"and {made} were made: start it with more")

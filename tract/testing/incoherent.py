@@ -768,10 +768,14 @@ class SimHost:
         """Whether this host's cache-control trace is on (`trace_start`)."""
         return self._trace is not None
 
-    def trace_start(self, capacity: int = 1 << 16) -> None:
+    def trace_start(self, capacity: int = 1 << 16, memory=None) -> None:
         """Record this host's cache control as `Region.trace_start` does,
         naming the instructions `trace_control` (a `CacheControl`; None, the
-        default: the process's, for a non-coherent pool) would issue."""
+        default: the process's, for a non-coherent pool) would issue.  No
+        shadow ``memory``: a simulated host already runs against its pool's."""
+        if memory is not None:
+            raise ValueError(f"simulated host {self.index} runs against its pool's memory: "
+                             f"it takes no shadow memory")
         if capacity <= 0:
             raise ValueError(f"trace capacity must be positive, got {capacity}")
         if self._trace is not None:
