@@ -225,6 +225,57 @@ def raise_reaches(keys, slots, homes, mask, reaches):
     return reaches, raised
 
 
+def collect(keys, pending, lines, scanned, start, mask, leading, reaches):
+    """One lookup round of the keys ``pending`` (rows, in order) over their
+    ``lines``, the slots ``scanned`` on past each home: (the rows still
+    pending, {row: (code, slot, entry)} of those decided, the home
+    reaches, each recorded in the first round).  Slot and entry are None
+    for a MISS; with ``leading``, no row after the first one decided
+    otherwise than HIT stays pending."""
+    reaches = list(reaches)
+    if scanned == 0:
+        for row, window in zip(pending, lines):
+            reaches[row] = reach(window[0])
+    found = probe_lookup([keys[row] for row in pending], lines,
+                         [reaches[row] for row in pending], scanned)
+    kept, decided, stop = [], {}, len(keys)
+    for row, (code, position), window in zip(pending, found, lines):
+        if code == CONTINUE:
+            kept.append(row)
+        elif code == MISS:
+            decided[row] = (code, None, None)
+        else:
+            decided[row] = (code, (int(start[row]) + scanned + position) % (mask + 1),
+                            [int(word) for word in window[position]])
+        if leading and code not in (HIT, CONTINUE):
+            stop = min(stop, row)
+    return [row for row in kept if row < stop], decided, reaches
+
+
+def grow_windows(pending, widths, targets, start, mask, base):
+    """([(entry offset, key row, window position)] of the lines each pending
+    key has not read yet, up to its target width; the widths after)."""
+    widths, unread = list(widths), []
+    for row in pending:
+        for position in range(widths[row], targets[row]):
+            slot = (int(start[row]) + position) % (mask + 1)
+            unread.append((base + slot * 64, row, position))
+        widths[row] = max(widths[row], targets[row])
+    return unread, widths
+
+
+def next_widths(lines, widths, pending, capacity):
+    """({row: its next window's width}, the widest) of each pending key of a
+    reserve: its home's reach + 1 when that lies past its window, else
+    twice as wide; at most ``capacity``."""
+    targets = {}
+    for row in pending:
+        known = reach(lines[row][0])
+        want = known + 1 if known != UNKNOWN and known >= widths[row] else 2 * widths[row]
+        targets[row] = min(want, capacity)
+    return targets, max(targets.values(), default=0)
+
+
 def outside(entries, low, high):
     """The first row whose payload [offset, offset + length) (words 4 and
     5, unsigned) is empty or not inside [low, high), or -1."""

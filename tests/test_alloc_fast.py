@@ -213,14 +213,55 @@ def test_a_lost_grant_writes_nothing_and_the_reference_raises(pool):
             lock.fast.epoch -= 1
 
 
-def test_a_bad_cursor_is_handed_back_and_reported(pool):
+@pytest.mark.parametrize("past", [0, 4, 2**63])
+def test_a_bad_cursor_is_handed_back_and_reported(pool, past):
+    """A cursor at or past the chunk count, the first bad one included:
+    the bit it names lies in the bitmap's padding, which reads as free."""
     allocator = pool.allocator
+    cursor = allocator.nchunks + past
     state = bytearray(_state(pool, random.Random(3), 0.2, 0))
-    state[:8] = (allocator.nchunks + 4).to_bytes(8, "little")
+    state[:8] = cursor.to_bytes(8, "little")
     _restore(pool, bytes(state))
-    with pytest.raises(CorruptionError, match=f"cursor at offset .* is {allocator.nchunks + 4}"):
+    with pytest.raises(CorruptionError, match=f"cursor at offset .* is {cursor};"):
         allocator.alloc_chunks(1)
     assert _snapshot(pool) == bytes(state)
+
+
+@pytest.mark.parametrize("damage", ["a run one chunk too long", "a run of none",
+                                    "a node one past the last"])
+def test_free_hands_back_a_head_record_one_step_outside_its_range(pool, damage):
+    """R5 at its edges: an extent one chunk longer than the heap has room
+    for (a tail record naming it lies past the last chunk, in the owner
+    records' padding, so only the bound tells), a run of 0, or a node one
+    past the last.  The native free writes nothing and hands the case back;
+    the reference raises `CorruptionError`."""
+    allocator, layout = pool.allocator, pool.alloc_layout
+    assert layout.capacity > allocator.nchunks  # the padding record exists
+    first = allocator.nchunks - 3
+    run = {"a run one chunk too long": 4, "a run of none": 0}.get(damage, 3)
+    node = MAX_NODES if damage == "a node one past the last" else 1  # the field is node + 1
+    state = bytearray(_state(pool, random.Random(1), 0.0, 0))
+    owners = layout.owners - layout.cursor_line
+    for chunk in range(first, first + max(run, 1)):
+        record = _record(node, HEAD, 7, 3, run) if chunk == first else \
+            _record(node, TAIL, 7, 3, first)
+        state[owners + chunk * OWNER_BYTES:owners + (chunk + 1) * OWNER_BYTES] = record
+    state = bytes(state)
+
+    def native(lock):
+        count = allocator.fast.free(first, HEAD, lock.fast)
+        return "handed back" if count < 0 else count
+
+    def reference(lock):
+        count = allocator._extent(first, HEAD)
+        lock.check()
+        allocator._release(first, count)
+        return count
+
+    (fast, fast_bytes), (ref, _) = _run_both(pool, state, native, reference,
+                                             "tract._native._allocfast.ChunkFastPath.free")
+    assert (fast, ref) == ("handed back", CorruptionError)
+    assert fast_bytes == state, "a handed-back free wrote"
 
 
 def test_the_fast_path_is_used_and_frees_what_it_took(pool):
@@ -249,6 +290,43 @@ def test_the_scan_called_through_its_address_matches_the_twin():
         pointer = words.ctypes.data_as(ctypes.POINTER(ctypes.c_uint64))
         assert scan(pointer, words.size, nbits, count, start) == \
             naive.first_free_run(words, nbits, count, start)
+
+
+@pytest.mark.parametrize("free, count, first", [
+    ([511], 1, 511),  # one free chunk, the last bit of the first bitmap line
+    (list(range(511, 520)), 9, 511),  # a run from that bit across the line
+    ([511, *range(576, 580)], 2, 576),  # a full word right after a free bit
+], ids=["a line's last bit", "a run from a line's last bit", "a full word after a free bit"])
+def test_a_run_at_a_bitmap_lines_end_is_allocated_as_the_reference_allocates_it(
+        pool_path, free, count, first):
+    """Every chunk taken but ``free``: the native alloc (the bitmap kernel
+    through its address) and the reference take the run the twin finds."""
+    Pool.create(pool_path, 1100 << 13, chunk_size=1 << 13, max_nodes=MAX_NODES, lease_timeout=5.0,
+                lock_mode="manager")
+    with Pool.open(pool_path, 1, manager=True) as wide:
+        allocator, layout = wide.allocator, wide.alloc_layout
+        owner = (wide.node + 1) | allocator.pid << 32
+        bits = np.full(layout.bitmap_bytes // 8, 2**64 - 1, dtype=np.uint64)
+        records = bytearray(_record(0, HEAD, 7, 3, 1) * allocator.nchunks)
+        for chunk in free:
+            bits[chunk // 64] &= ~np.uint64(1 << chunk % 64)
+            records[chunk * OWNER_BYTES:(chunk + 1) * OWNER_BYTES] = bytes(OWNER_BYTES)
+        assert naive.first_free_run(bits, allocator.nchunks, count, 0) == first
+        state = bytes(64) + bits.tobytes() + bytes(records)
+        state += bytes(_area(wide)[1] - len(state))
+
+        def native(lock):
+            return allocator.fast.alloc(count, HEAD, owner, wide.epoch, lock.fast)
+
+        def reference(lock):
+            taken = allocator._find(count, lock)
+            lock.check()
+            allocator._publish(taken, count, HEAD, owner)
+            return taken
+
+        (fast, fast_bytes), (ref, ref_bytes) = _run_both(
+            wide, state, native, reference, "tract._native._allocfast.ChunkFastPath.alloc")
+        assert (fast, fast_bytes) == (ref, ref_bytes) and fast == first
 
 
 def test_an_extent_across_bitmap_lines_is_freed_as_the_reference_frees_it(pool_path):

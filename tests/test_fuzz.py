@@ -42,7 +42,31 @@ def test_an_unclear_error_is_a_finding(tmp_path, monkeypatch):
 
 def test_cases_are_drawn_by_hypothesis_reproducibly():
     assert fuzz.draw_cases(30, seed=5) == fuzz.draw_cases(30, seed=5)
-    assert {case["area"] for case in fuzz.draw_cases(200, seed=0)} == set(fuzz.AREAS)
+    drawn = fuzz.draw_cases(200, seed=0)
+    assert {case["area"] for case in drawn} == set(fuzz.AREAS)
+    assert {case["lock mode"] for case in drawn} == set(fuzz.LOCK_MODES)
+
+
+#: (area, word, values): the words the native fast paths take a count, a
+#: node or a chunk from, set one past their range and far past it
+_NATIVE_BOUNDS = [
+    ("handoff record", 5, [5, 1 << 60, 2**64 - 1]),  # the key count (4 keys written)
+    ("handoff record", 2, [4, 2**64 - 1]),  # the producer node (4 nodes)
+    ("allocator owners", 2, [0, 1 << 20, 2**64 - 1]),  # the first chunk's run
+    ("allocator cursor", 0, [1 << 12, 2**64 - 1]),
+    ("lock area", 0, [5, 2**64 - 1]),  # the manager line's node field (node + 1)
+]
+
+
+def test_corrupt_counts_and_nodes_reach_the_native_paths_with_clear_outcomes():
+    """In a manager-mode pool, where the lock's, the allocator's and the
+    handoff record's native steps run, each value they bound a loop or an
+    offset by, corrupted: the take misses, and every other step succeeds
+    or raises a clear error (R5) — no crash, hang or unchecked offset."""
+    cases = [{"lock mode": "manager", "area": area, "word": word, "kind": "set word",
+              "value": value} for area, word, values in _NATIVE_BOUNDS for value in values]
+    report = fuzz.run_cases(cases)
+    assert report["findings"] == [] and report["cases"] == len(cases)
 
 
 @pytest.mark.multiprocess

@@ -9,6 +9,7 @@ import pytest
 
 import twins
 from tract import handoff
+from tract._native._handofffast import HandoffFastPath
 from tract.handoff import HandoffRecords
 from tract.pool import Pool
 
@@ -91,6 +92,31 @@ def test_read_finds_what_the_python_step_finds_in_every_state(records):
         seen.add((label, want.result is not None))
     assert ("live", True) in seen and ("a key flipped", False) in seen
     assert {found for label, found in seen if label != "live"} == {False}
+
+
+@pytest.mark.parametrize("count, node, found", [(4, NODES - 1, True), (5, NODES - 1, False),
+                                                (4, NODES, False)])
+def test_read_checks_a_sealed_record_against_the_heap_and_the_nodes(records, monkeypatch, count,
+                                                                    node, found):
+    """R5 at its edges, for records whose check word is good: a count one
+    key past the heap's end, or a node one past the last, is no record,
+    decided before the keys are read (a count past the end reads no byte
+    past it); a record that ends exactly at the heap's end is found.  The
+    heap is cut short of the mapping, so a weakened bound reads mapped
+    memory and returns the record rather than crashing."""
+    pool, now = records.pool, records.pool.clock.wall()
+    low = pool.index.heap[0]
+    offset = pool.index.alloc(handoff._KEYS_AT + 16 * 8)
+    cut = offset + handoff._KEYS_AT + 16 * 4  # four keys fit before the heap's end
+    records._write(offset, 0x77, node, pool.epoch, now + 60, _keys(count, count))
+    monkeypatch.setattr(pool.index, "heap", (low, cut))
+    fast = HandoffFastPath(pool.region, low, cut, NODES)
+    want, got = twins.both(pool.region, [(offset, cut + 64 - offset)],
+                           lambda: records._read(offset, 0x77, now),
+                           lambda: fast.read(offset, 0x77, now))
+    twins.check("tract._native._handofffast.HandoffFastPath.read", want, got,
+                context=(count, node))
+    assert (got.result is not None) == found
 
 
 def test_read_refuses_an_offset_that_is_no_line_inside_the_heap(records):

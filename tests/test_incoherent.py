@@ -155,6 +155,8 @@ def test_every_mailbox_mutant_is_killed_in_process():
     assert {("send", "flush"), ("receive", "invalidate"), ("_read_flag", "invalidate"),
             ("send", "fence"), ("receive", "fence")} <= kinds
     for site in every:
+        if mutants.equivalent(site):
+            continue
         protocol = mutants.mutate(site)
         caught = any(_fails(protocol, seed, chaos) for chaos in (0.0, 0.3)
                      for seed in range(min(SEEDS, 60)))
@@ -188,6 +190,26 @@ def test_flush_is_needed_for_another_host_to_see_a_store():
     reader.invalidate(0, 8)
     reader.fence()
     assert reader.load_u64(0) == 7
+
+
+def test_a_store_after_its_flush_is_not_carried_by_it():
+    """A flush carries the line as it was when it ran: a store between the
+    flush and its fence stays dirty in the writer's cache (the flush may
+    complete at once on hardware), so the fence publishes the older bytes;
+    the next flush carries the store."""
+    pool = SimPool(4 * LINE, hosts=2, chaos=0)
+    writer, reader = pool.hosts
+    writer.store_u64(0, 7)
+    writer.flush(0, 8)
+    writer.store_u64(8, 9)
+    writer.fence()
+    assert pool.memory[:16].view(numpy.uint64).tolist() == [7, 0]
+    assert writer.load_u64(8) == 9
+    writer.invalidate(0, 8)  # dropping a dirty line writes it back first (clflush)
+    writer.fence()
+    reader.invalidate(0, 16)
+    reader.fence()
+    assert (reader.load_u64(0), reader.load_u64(8)) == (7, 9)
 
 
 def test_lost_update_when_two_hosts_write_one_line():
@@ -343,7 +365,7 @@ def test_harness_reports_a_surviving_mutant(tmp_path, monkeypatch, capsys):
                          "--seeds", "1"])
     report = json.loads(capsys.readouterr().out)
     assert code == 1
-    assert report["sites"] == 3 and report["killed"] == 1  # the flush
+    assert report["sites"] == 4 and report["killed"] == 2  # the flush, deleted or too early
     assert report["survivors"] == [  # either fence alone suffices
         {"module": "redundant_protocol", "file": "redundant_protocol.py", "line": line,
          "kind": "fence", "function": "publish", "mutation": "delete"}

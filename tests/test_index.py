@@ -129,6 +129,57 @@ def test_probe_kernels_match_their_twins():
                                                      & 0xFFFF << 24, 0, 0, 0, 0]
 
 
+
+def _sealed(key, state, reach=0, writer=0, epoch=1):
+    """A whole entry of ``key`` (two words) in ``state``, its slot's
+    ``reach``, written by node ``writer`` in ``epoch``."""
+    entry = np.zeros(8, dtype=np.uint64)
+    entry[:2] = key
+    entry[2] = 1
+    entry[3] = state | (writer + 1) << 8 | reach << 24 | 16 << 40
+    entry[4:7] = 4096, 64, epoch
+    entry[7] = naive.entry_check(entry)
+    return entry
+
+
+def test_probe_kernels_stay_inside_their_arrays_at_the_edges():
+    """R5 bounds of the kernels on values read from the pool, each at its
+    edge, with the memory just past the array holding what a weakened
+    bound would act on (Numba does not check indexes)."""
+    # a reach that ends exactly where the lines do: the recorded reach, no line past them
+    padded = np.zeros((5, 8), dtype=np.uint64)
+    padded[2] = _sealed((5, 0), probe.TOMBSTONE, reach=2)
+    padded[3] = _sealed((2, 0), probe.READY)  # homed at slot 2, one past it
+    found = np.empty(4, np.int64)
+    probe.reaches(padded[:4], 4, 7, 0, found)
+    assert found.tolist() == naive.reaches(padded[:4], 4, 7, 0) == [0, 0, 2, 0]
+    # a writer one past the last node: dead (its slot reusable), whatever lies past the epochs
+    epochs = np.array([1, 1, 1, 9], dtype=np.uint64)
+    window = _sealed((3, 4), probe.WRITING, writer=3, epoch=9).reshape(1, 1, 8)
+    keys, start = np.array([[3, 4]], dtype=np.uint64), np.array([3], np.int64)
+    codes, where = np.full(1, probe.CONTINUE, np.int64), np.empty(1, np.int64)
+    probe.probe_reserve(keys, window, start, 7, np.ones(1, np.int64), epochs[:3],
+                        np.ones(1, np.bool_), codes, where)
+    assert list(zip(codes.tolist(), where.tolist())) == \
+        naive.probe_reserve(keys, window, start, 7, [1], epochs[:3]) == [(probe.FREE, 0)]
+    # a payload that ends at the heap's end, or one byte past it, or starts one byte before it
+    low, high = 4096, 8192
+    for offset, length, inside in [(low, high - low, True), (low, high - low + 1, False),
+                                   (8000, 192, True), (8000, 193, False), (high - 1, 1, True),
+                                   (high, 1, False), (low - 1, 1, False), (low, 0, False),
+                                   (2**64 - 64, 128, False), (low, 2**64 - 1, False)]:
+        payload = np.zeros((1, 8), dtype=np.uint64)
+        payload[0, 4:6] = offset, length
+        assert probe.outside(payload, low, high) == naive.outside(payload, low, high) == \
+            (-1 if inside else 0), (offset, length)
+    # a home's reach wider than the table: the window stops at the table's size
+    for reach, want in [(5, 6), (naive.UNKNOWN - 1, 8), (naive.UNKNOWN, 4)]:
+        lines = _sealed((1, 0), probe.READY, reach=reach).reshape(1, 1, 8)
+        targets = np.empty(1, np.int64)
+        assert probe.next_widths(lines, np.array([2]), np.array([0]), 1, 8, targets) == want
+        assert targets.tolist() == [want]
+
+
 # ----------------------------------------------------------- simulator runs
 
 def _payload(key, length):

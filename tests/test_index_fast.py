@@ -280,6 +280,51 @@ def test_stamp_and_unpin_match_the_python_steps(indexes):
     assert 20 < refused < 190, refused
 
 
+def test_chains_across_the_tables_end_match_the_python_steps(indexes):
+    """Chains homed at the last two slots that run past the table's end
+    (slots 62, 63, 0, 1, 2): a lookup finds the keys beyond the wrap and
+    misses at the first empty slot after it or past the home's reach; a
+    reserve takes the first free slots after the wrap; fast and Python
+    steps alike, at the slots drawn."""
+    pool, fast, reference = indexes
+    mask, (low, _) = fast.mask, fast.heap
+    fast.stamp = reference.stamp = lambda: 0x1234  # the pin stamp: the same for both
+
+    def key(home, n):
+        return home + (n << 20), n
+
+    chain = {mask - 1: key(mask - 1, 1), mask: key(mask, 1), 0: key(mask - 1, 2),
+             1: key(mask, 2), 2: key(mask, 3)}
+    reach = {mask - 1: 2, mask: 3}  # each home's farthest entry, past the wrap
+    table = np.zeros((fast.capacity, 8), dtype=np.uint64)
+    for n, (slot, present) in enumerate(chain.items()):
+        table[slot, :7] = [*present, 1, probe.READY | 1 << 8 | reach.get(slot, 0) << 24,
+                           low + n * 4096, 4096, 1]
+        table[slot, 7] = naive.entry_check(table[slot])
+    offsets = fast._entries(np.arange(fast.capacity))
+    pool.region.scatter_lines(offsets, table.view(np.uint8))
+    pool.region.flush_lines(offsets)
+    pool.region.fence()
+    keys = np.array([*chain.values(), key(mask, 9), key(mask - 1, 9)], dtype=np.uint64)
+    for leading in (False, True):
+        _held_to("tract._kernels.indexfast.lookup", reference, fast,
+                 lambda index: index._probe(keys, leading), leading)
+    codes, slots, _ = fast._probe(keys, leading=False)
+    assert codes.tolist() == [probe.HIT] * 5 + [probe.MISS] * 2
+    assert slots[:5].tolist() == list(chain)
+    hits = _held_to("tract._kernels.indexfast.pin", reference, fast,
+                    lambda index: _pinned(index, keys), "pin")
+    assert hits[0].tolist() == list(chain)
+    fast.unpin(Hits(*hits))
+    reference._live = fast._live = (float("inf"), reference._live_epochs())
+    keys = np.array([key(mask, 9), key(mask, 10), key(mask - 1, 1)], dtype=np.uint64)
+    with pool.lock("index")(10):
+        codes, slots, _, _ = _held_to("tract._kernels.indexfast.reserve_slots", reference,
+                                      fast, lambda index: index._reserve_slots(keys), "reserve")
+    assert (codes.tolist(), slots.tolist()) == \
+        ([probe.FREE, probe.FREE, probe.EXISTS], [3, 4, mask - 1])
+
+
 def _found(index, keys):
     keys = np.array(sorted(keys), dtype=np.uint64).reshape(-1, 2)
     codes, _, _ = index._probe(keys, leading=False)

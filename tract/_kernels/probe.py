@@ -24,7 +24,8 @@ The kernels read entries gathered from the pool (never the pool itself) and
 decide; `tract.index` moves the lines.
 Each key probes a *window*: the lines from its home slot on, ``(n, W, 8)``.
 Twins: ``tests/naive.py`` (``entry_check``, ``reach``, ``probe_lookup``,
-``probe_reserve``, ``reaches``, ``raise_reaches``, ``outside``).
+``collect``, ``probe_reserve``, ``grow_windows``, ``next_widths``,
+``reaches``, ``raise_reaches``, ``outside``).
 """
 
 import numpy as np

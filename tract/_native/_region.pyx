@@ -71,7 +71,7 @@ cdef extern from "_cachectl.h" nogil:
     tract_trace_t *tract_trace
     void tract_trace_begin(int64_t *entries, size_t capacity) noexcept
     size_t tract_trace_end() noexcept
-    int TRACT_TRACE_FENCE, TRACT_TRACE_STORE_FENCE, TRACT_TRACE_LOAD_FENCE
+    int TRACT_TRACE_FENCE, TRACT_TRACE_STORE_FENCE, TRACT_TRACE_LOAD_FENCE, TRACT_TRACE_STREAM
 
 LINE = TRACT_LINE
 #: a `Region.copy_out_blocks` batch this big or bigger goes into the targets by
@@ -95,6 +95,8 @@ INSTRUCTIONS = {
 TRACE_FENCE = TRACT_TRACE_FENCE
 TRACE_STORE_FENCE = TRACT_TRACE_STORE_FENCE
 TRACE_LOAD_FENCE = TRACT_TRACE_LOAD_FENCE
+#: a line written by streaming stores: the shadow memory's, never in a trace's entries
+TRACE_STREAM = TRACT_TRACE_STREAM
 
 cdef tract_trace_t *trace_state() noexcept nogil:
     return tract_trace

@@ -21,6 +21,11 @@ Cache semantics, as on x86 with clflushopt/clwb (and aarch64 dc + dsb):
 - all three are weakly ordered: each only queues its lines, and the queue
   completes at the next fence of the same thread (a fence orders its own
   core's flushes, not another's), or earlier at random (chaos);
+- a queued write-back carries the line as it was when queued: a store
+  after the flush and before its fence stays in the cache, dirty (on
+  hardware the flush may complete at once, and the store lands in a line
+  fetched again), so a store moved past its write-back is never published
+  by it;
 - at every synchronisation call, with probability ``chaos``, random lines of
   random hosts are spontaneously written back (eviction) or refetched
   (prefetch), and random queued operations complete early, in any order;
@@ -325,6 +330,7 @@ class SimPool:
         self.crashed.add(host)
         dead = self.hosts[host]
         dead._queues.clear()
+        dead._queued.clear()
         dead._cache[:] = self.memory
         dead._snapshot[:] = self.memory
         dead._fetched[:] = self.version
@@ -490,6 +496,8 @@ class SimHost:
         # Per simulated thread (a core): line -> "flush" | "invalidate" |
         # "writeback".  A fence completes only its own thread's queue.
         self._queues: dict[int | None, dict[int, str]] = {}
+        # line -> its bytes when last queued, and whether they were dirty then
+        self._queued: dict[int, tuple[numpy.ndarray, bool]] = {}
         self._trace: list[tuple[int, int]] | None = None
         self._trace_capacity = 0
         self._trace_insns: dict[str, int] = {}
@@ -857,6 +865,8 @@ class SimHost:
                 self._traced(self._trace_insns[action], line * LINE)
             self.pool._step(self.index, kind, line)
             queue = self._queues.setdefault(getattr(self.pool._thread, "index", None), {})
+            self._queued[line] = (self._cache[line * LINE:(line + 1) * LINE].copy(),
+                                  self._dirty(line))
             queued = queue.get(line)
             # flush subsumes both; invalidate + writeback = flush
             if queued is None:
@@ -874,21 +884,35 @@ class SimHost:
         self.pool._chaos()
 
     def _complete(self, line: int, kind: str) -> None:
+        queued = self._queued.pop(line, None)
         if kind == "writeback":
-            self._write_back(line)
+            self._write_back(line, queued)
         else:
-            self._refetch(line)  # writes back first when dirty
+            self._refetch(line, queued)  # writes back first when dirty
 
     def _dirty(self, line: int) -> bool:
         span = slice(line * LINE, (line + 1) * LINE)
         return bool(self._marked[line]) or not numpy.array_equal(self._cache[span],
                                                                  self._snapshot[span])
 
-    def _write_back(self, line: int) -> None:
+    def _write_back(self, line: int, queued: tuple[numpy.ndarray, bool] | None = None
+                    ) -> None:
+        """Write the line back: its bytes now (an eviction), or ``queued``,
+        as they were when a flush queued it (and whether they were dirty);
+        a line stored to since stays dirty in the cache with the later bytes."""
+        span = slice(line * LINE, (line + 1) * LINE)
+        if queued is not None and not numpy.array_equal(queued[0], self._cache[span]):
+            if not queued[1]:
+                return  # clean when queued: nothing to carry
+            later = self._cache[span].copy()
+            self._cache[span] = queued[0]
+            self._write_back(line)
+            self._cache[span] = later
+            self._marked[line] = True
+            return
         if not self._dirty(line):
             return
         pool = self.pool
-        span = slice(line * LINE, (line + 1) * LINE)
         blind_whole = self._stored[span].all() and not self._read_stale[line]
         if pool.version[line] != self._fetched[line] and not blind_whole:
             memory, mine = pool.memory[span], self._cache[span]
@@ -914,10 +938,13 @@ class SimHost:
         self._stored[line * LINE:(line + 1) * LINE] = False
         self._read_stale[line] = False
 
-    def _refetch(self, line: int) -> None:
+    def _refetch(self, line: int, queued: tuple[numpy.ndarray, bool] | None = None) -> None:
+        span = slice(line * LINE, (line + 1) * LINE)
+        if queued is not None and not numpy.array_equal(queued[0], self._cache[span]):
+            self._write_back(line, queued)  # stored to since it was dropped: kept
+            return
         self._write_back(line)
         pool = self.pool
-        span = slice(line * LINE, (line + 1) * LINE)
         self._cache[span] = pool.memory[span]
         self._snapshot[span] = pool.memory[span]
         self._fetched[line] = pool.version[line]

@@ -67,6 +67,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -79,8 +80,8 @@ from pathlib import Path
 
 from tract.bench.trace import build_extension
 
-__all__ = ["NATIVE_SUITES", "SUITES", "SYNC_CALLS", "Site", "mutate", "native_mutant",
-           "native_sites", "run_mutant", "sites"]
+__all__ = ["EQUIVALENT", "NATIVE_SUITES", "SUITES", "SYNC_CALLS", "Site", "equivalent", "mutate",
+           "native_mutant", "native_sites", "order_sites", "run_mutant", "sites"]
 
 SYNC_CALLS = ("flush", "invalidate", "writeback", "fence", "store_fence", "load_fence",
               "flush_lines", "invalidate_lines", "self_fence")
@@ -126,6 +127,17 @@ NATIVE_MARKERS = "not multiprocess and not slow"
 #: `_region`): its twin tests judge it by results, bytes and the
 #: cache-control trace, which the trace hook records at any optimization
 MUTANT_OPTIMIZE = "-O0"
+#: the header's instructions of cache control, each in the primitive that
+#: issues it; a ``silent`` mutant turns one into a compiler barrier, which
+#: leaves every trace, shadow and result as it was: only the machine code
+#: tells (tests/test_instructions.py, on a build optimized as shipped)
+SILENT_PRIMITIVES = ("tract_lines", "tract_clflushopt_range", "tract_clwb_range",
+                     "tract_fence", "tract_store_fence", "tract_load_fence")
+SILENT_INSTRUCTIONS = re.compile(r"\b_mm_(?:clflush|clflushopt|clwb|mfence|sfence|lfence)\s*\(")
+SILENT_TESTS = ["tests/test_instructions.py::test_each_entry_point_emits_its_instructions",
+                "tests/test_instructions.py::test_every_traced_primitive_emits_its_instruction"]
+SILENT_OPTIMIZE = "-O2"
+BARRIER = '__asm__ volatile("" ::: "memory")'
 
 SEEDS_ENV = "TRACT_SIM_SEEDS"
 
@@ -140,13 +152,33 @@ class Site:
     col: int
     kind: str
     function: str
-    mutation: str = "delete"  # or "move": the fence put before the statement it follows
+    mutation: str = "delete"  # or one of MUTATIONS' other kinds
+    detail: str = ""  # a weakened bound: what was changed
 
     def as_dict(self) -> dict:
         source = self.module if "/" in self.module else \
             self.module.replace(".", "/") + ".py"
-        return {"module": self.module, "file": source, "line": self.line, "kind": self.kind,
-                "function": self.function, "mutation": self.mutation}
+        found = {"module": self.module, "file": source, "line": self.line, "kind": self.kind,
+                 "function": self.function, "mutation": self.mutation}
+        if self.detail:
+            found["detail"] = self.detail
+        return found
+
+
+#: mutants no host can tell from the original, each with why: reported as
+#: such and not run.  Keyed ``module:function:kind:mutation`` (no line, so
+#: an edit elsewhere keeps the entry); each is a claim a reviewer checks.
+EQUIVALENT: dict[str, str] = {
+    "tract.testing.mailbox:_read_flag:fence:early-read":
+        "a poll: a flag read before its fence holds the line as the previous poll's fence "
+        "left it, so the loop sees a publication at most one poll late, and the payload it "
+        "then reads is invalidated and fenced on its own",
+}
+
+
+def equivalent(site: Site) -> str | None:
+    """Why ``site``'s mutant is equivalent (`EQUIVALENT`), or None."""
+    return EQUIVALENT.get(f"{site.module}:{site.function}:{site.kind}:{site.mutation}")
 
 
 def _source(module: str) -> tuple[str, str]:
@@ -184,20 +216,106 @@ def _calls(tree: ast.AST, kernel: bool = False):
 def sites(module: str, moves: bool = False) -> list[Site]:
     """Every cache-control call site of ``module``, in source order; with
     ``moves``, also each fence that follows a statement in its block, as a
-    move of it before that statement."""
+    move of it before that statement; and the reorders of the data against
+    the cache control (`order_sites`)."""
     _, source = _source(module)
     tree = ast.parse(source)
+    calls = _calls(tree)
     found = [Site(module, index, call.lineno, call.col_offset, call.func.attr, function)
-             for index, (call, function) in enumerate(_calls(tree))]
-    if moves:
-        found += [Site(module, site.index, site.line, site.col, site.kind, site.function, "move")
-                  for site, (call, _) in zip(found, _calls(tree))
-                  if site.kind in FENCES and _previous_statement(tree, call) is not None]
-    return found
+             for index, (call, function) in enumerate(calls)]
+    moved = [Site(module, site.index, site.line, site.col, site.kind, site.function, "move")
+             for site, (call, _) in zip(found, calls)
+             if site.kind in FENCES and _previous_statement(tree, call) is not None]
+    return found + (moved if moves else []) + order_sites(tree, found, calls)
 
 
 FENCES = ("fence", "store_fence", "load_fence", "tract_fence", "tract_store_fence",
           "tract_load_fence")
+
+#: the Region calls that store to the pool, and those that read it (with the
+#: protocol modules' own readers of a line they name: an owner record, a
+#: lease, an index entry), for the reorders of `order_sites`
+STORE_CALLS = ("store_u8", "store_u16", "store_u32", "store_u64", "store_u32s", "copy_in",
+               "copy_in_blocks", "scatter_lines", "fill", "local_add_u32s", "local_add_u64s")
+READ_CALLS = ("load_u8", "load_u16", "load_u32", "load_u64", "load_u64s", "read", "copy_out",
+              "copy_out_blocks", "gather_lines", "digest_blocks", "_read", "owner", "decode")
+#: the write-backs among the sync calls (a Python module's, a kernel's: the
+#: ``lines`` calls with a flush instruction)
+WRITE_BACKS = ("flush", "writeback", "flush_lines")
+#: a kernel's views of pool memory (tract._kernels.cachectl)
+KERNEL_VIEWS = ("words", "halves")
+
+
+def order_sites(tree: ast.AST, found: list[Site], calls, kernel: bool = False) -> list[Site]:
+    """The reorders of data against cache control (DESIGN.md §5), one site
+    each: ``late-store``, a write-back moved before the statement that
+    stores what it should carry (the store now after its write-back); and
+    ``early-read``, a fence moved after the statement that reads what it
+    makes fresh (the read now before its invalidation completes).  A
+    write-back or fence alone in a loop's body moves with its loop."""
+    out = []
+    for site, (call, _) in zip(found, calls):
+        unit = _unit(tree, call)
+        if unit is None:
+            continue
+        body, position = unit
+        if _write_back(call, kernel) and position and _touches(body[position - 1], kernel,
+                                                               store=True):
+            out.append(dataclasses.replace(site, mutation="late-store"))
+        if site.kind in FENCES + KERNEL_CALLS[1:] and position + 1 < len(body) and \
+                _touches(body[position + 1], kernel, store=False):
+            out.append(dataclasses.replace(site, mutation="early-read"))
+    return out
+
+
+def _write_back(call: ast.Call, kernel: bool) -> bool:
+    if kernel:
+        return call.func.id == "lines" and bool(call.args) and \
+            isinstance(call.args[0], ast.Name) and "flush" in call.args[0].id
+    return call.func.attr in WRITE_BACKS
+
+
+def _touches(statement: ast.stmt, kernel: bool, store: bool) -> bool:
+    """Whether ``statement`` stores to (``store``) or reads the pool: a
+    Region call of that kind; in a kernel, a store through a view of the
+    pool (an element of ``words(...)``) or any use of such a view."""
+    for node in ast.walk(statement):
+        if kernel:
+            if store and isinstance(node, (ast.Assign, ast.AugAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                if any(isinstance(target, ast.Subscript) and isinstance(target.value, ast.Call)
+                       and getattr(target.value.func, "id", "") in KERNEL_VIEWS
+                       for target in targets):
+                    return True
+            if not store and isinstance(node, ast.Call) and \
+                    getattr(node.func, "id", "") in KERNEL_VIEWS:
+                return True
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                node.func.attr in (STORE_CALLS if store else READ_CALLS):
+            return True
+    return False
+
+
+def _unit(tree: ast.AST, call: ast.Call):
+    """(body, position) of the statement that is ``call``, lifted to the
+    loop around it while it is that loop's only statement; None when
+    ``call`` is no statement of its own."""
+    parents = {}
+    for node in ast.walk(tree):
+        for field in ("body", "orelse", "finalbody"):
+            body = getattr(node, field, None)
+            if isinstance(body, list):
+                for position, statement in enumerate(body):
+                    parents[id(statement)] = (node, body, position)
+    target = next((statement for statement in ast.walk(tree)
+                   if isinstance(statement, ast.Expr) and statement.value is call), None)
+    if target is None or id(target) not in parents:
+        return None
+    node, body, position = parents[id(target)]
+    while isinstance(node, (ast.For, ast.While)) and node.body == [body[position]] \
+            and not node.orelse and id(node) in parents:
+        node, body, position = parents[id(node)]
+    return body, position
 
 
 def _previous_statement(tree: ast.AST, call: ast.Call):
@@ -218,10 +336,16 @@ def _previous_statement(tree: ast.AST, call: ast.Call):
 
 
 def _mutated(tree: ast.AST, site: Site, call: ast.Call) -> ast.AST:
-    """``tree`` with ``site`` applied to ``call``: deleted, or moved up one statement."""
+    """``tree`` with ``site`` applied to ``call``: deleted, or moved up
+    (``move``, ``late-store``) or down (``early-read``) one statement."""
     if site.mutation == "move":
         body, position = _previous_statement(tree, call)
         body[position - 1], body[position] = body[position], body[position - 1]
+        return tree
+    if site.mutation in ("late-store", "early-read"):
+        body, position = _unit(tree, call)
+        other = position - 1 if site.mutation == "late-store" else position + 1
+        body[other], body[position] = body[position], body[other]
         return tree
     return ast.fix_missing_locations(_Remove(call).visit(tree))
 
@@ -331,8 +455,6 @@ def _call_span(text: str, start: int) -> int:
 def _native_calls(path: str) -> list[tuple[int, int, str, str]]:
     """(start, end, call, enclosing function) of every native site in a
     ``.pyx`` or header, in source order."""
-    import re
-
     text = _repository_file(path).read_text()
     header = path.endswith(".h")
     function, found = "<module>", []
@@ -365,14 +487,268 @@ def native_sites(path: str) -> list[Site]:
         found = [Site(path, index, call.lineno, call.col_offset, call.func.id, function)
                  for index, (call, function) in enumerate(calls)]
         movable = [_previous_statement(tree, call) is not None for call, _ in calls]
+        ordered = order_sites(tree, found, calls, kernel=True)
     else:
         text = _repository_file(path).read_text()
         calls = _native_calls(path)
         found = [Site(path, index, text.count("\n", 0, start) + 1, 0, call, function)
                  for index, (start, _, call, function) in enumerate(calls)]
         movable = [_previous_lines(text, start) is not None for start, _, _, _ in calls]
+        ordered = []
+        for site, (start, end, call, _) in zip(found, calls):
+            before = _previous_lines(text, start)
+            if call == "tract_lines" and _NATIVE_WRITE_BACK.search(text[start:end]) and \
+                    before and _NATIVE_STORE.search(_code(text[before[0]:before[1]])):
+                ordered.append(dataclasses.replace(site, mutation="late-store"))
+            if call in ("tract_fence", "tract_load_fence") and _next_lines(text, start):
+                ordered.append(dataclasses.replace(site, mutation="early-read"))
+        ordered += _weakened(path, text) + _silenced(path, text)
     return found + [dataclasses.replace(site, mutation="move") for site, can in
-                    zip(found, movable) if can and site.kind in FENCES]
+                    zip(found, movable) if can and site.kind in FENCES] + ordered
+
+
+#: a native write-back: a `tract_lines` call with no invalidation's or
+#: payload's instruction (those drop lines to read them)
+_NATIVE_WRITE_BACK = re.compile(r"^(?!.*(?:_invalidate_insn|_payload_insn))", re.S)
+#: a native statement that stores to memory: an element assigned, a copy
+_NATIVE_STORE = re.compile(
+    r"\]\s*=(?!=)|->\w+\s*=(?!=)|\b(?:memcpy|memset|tract_stream_\w+|\w+_copy)\s*\(")
+#: a native statement that reads memory: an element or a copy on its right
+#: side, or a call of a step that reads the lines just made fresh
+_NATIVE_READ = re.compile(
+    r"[\w)]\s*\[|\bmemcpy\s*\(|\b\w*(?:_fenced|_mine|_digest_copy|_stream_out)\s*\(")
+
+
+def _code(text: str) -> str:
+    """``text`` without its comments (``#``, ``//`` and ``/* */`` on a line)."""
+    return "\n".join(line.split("#")[0].split("//")[0].split("/*")[0]
+                     for line in text.splitlines())
+
+
+def _reads(statement: str) -> bool:
+    """Whether a native statement reads memory (`_NATIVE_READ` on what it
+    evaluates: its right side when it assigns)."""
+    code = _code(statement)
+    head = code.splitlines()[0] if code.strip() else ""
+    if head.lstrip().startswith(("break", "continue", "pass", "else", "}")):
+        return False
+    assigned = re.split(r"(?<![=!<>])=(?!=)", code, maxsplit=1)
+    return bool(_NATIVE_READ.search(assigned[-1]))
+
+
+def _statement_end(text: str, start: int) -> int:
+    """The end (past its newline) of the statement whose first line starts
+    at ``start``: its continuation and block lines (deeper indented), and a
+    closing brace at its own indentation."""
+    line_end = text.index("\n", start) + 1
+    indent = len(text[start:line_end]) - len(text[start:line_end].lstrip())
+    at = end = line_end
+    depth = 0
+    for char in text[start:line_end]:
+        depth += char in "([{"
+        depth -= char in ")]}"
+    while at < len(text):
+        next_end = text.index("\n", at) + 1 if "\n" in text[at:] else len(text)
+        line = text[at:next_end]
+        stripped = line.strip()
+        deeper = len(line) - len(line.lstrip()) > indent
+        if stripped and not deeper and depth <= 0 and not stripped.startswith("}"):
+            break
+        for char in line:
+            depth += char in "([{"
+            depth -= char in ")]}"
+        at = next_end
+        if stripped:
+            end = next_end
+        if stripped.startswith("}") and not deeper:
+            break
+    return end
+
+
+def _next_lines(text: str, start: int) -> tuple[int, int, int] | None:
+    """For the fence whose call starts at ``start`` on a line of its own:
+    (its line's start, the start and the end of the first statement after
+    it that reads memory).  That statement is in the fence's block or, when
+    the fence ends a ``with nogil:`` block, right after that block; a
+    declaration without a value is passed over.  None when there is none."""
+    line_start = text.rfind("\n", 0, start) + 1
+    indent = start - line_start
+    if text[line_start:start].strip():
+        return None
+    at = text.index("\n", start) + 1
+    while at < len(text):
+        line_end = text.index("\n", at) + 1
+        line = text[at:line_end]
+        stripped = line.strip()
+        depth = len(line) - len(line.lstrip())
+        if not stripped or stripped.startswith(("#", "/*", "*", "//")):
+            at = line_end
+            continue
+        if depth < indent:
+            if depth == indent - 4 and _block_opener(text, line_start, indent) == "with nogil:":
+                indent = depth  # the fence ends a nogil block: the statement after it
+                continue
+            return None
+        if depth > indent:
+            at = line_end
+            continue
+        end = _statement_end(text, at)
+        if stripped.startswith("cdef ") and "=" not in stripped:
+            at = end
+            continue
+        return (line_start, at, end) if _reads(text[at:end]) else None
+    return None
+
+
+#: a Cython cast (``<uint64_t>``, ``<char *>``): no comparison
+_CAST = re.compile(r"<\s*(?:const\s+|volatile\s+)*[A-Za-z_]\w*(?:\s*\*)*\s*>")
+_COMPARISON = re.compile(r"<=|>=|(?<![<>])<(?![<=])|(?<![<>-])>(?![>=])")
+#: what a weakened bound becomes: under ``not`` a strict bound admits its
+#: edge; else a non-strict one stops before it, a strict one one further on
+_WEAKER = {"<": "<=", ">": ">=", "<=": "<= 1 +", ">=": ">= -1 +"}
+_WEAKER_PLAIN = {"<=": "<", ">=": ">", ">": "> 1 +", "<": "< -1 +"}
+
+
+def _weakened(path: str, text: str) -> list[Site]:
+    """The ``weaken`` sites of a ``.pyx``: each guard on a value loaded
+    from memory that hands a hard case back (``if``/``elif <condition>:``
+    whose block starts with ``return``, outside ``__cinit__``; the
+    condition reads an element or a name assigned from one) weakened in
+    turn: removed, each of its ``or`` terms dropped, each comparison moved
+    past its edge (see `_WEAKER`).  These are where a native step bounds
+    what it read from the pool (R5)."""
+    if not path.endswith(".pyx"):
+        return []
+    found = []
+    for function, start, end in _guards(text):
+        line = text.count("\n", 0, start) + 1
+        for detail, _ in _weakenings(text[start:end]):
+            found.append(Site(path, start, line, end, "bound", function, "weaken", detail))
+    return found
+
+
+def _silenced(path: str, text: str) -> list[Site]:
+    """The ``silent`` sites of the header: each instruction of cache control
+    in its primitive (`SILENT_PRIMITIVES`)."""
+    if not path.endswith(".h"):
+        return []
+    found, function = [], None
+    for match in re.finditer(r"^static\s[^;]*?\b(\w+)\s*\([^;]*$|" + SILENT_INSTRUCTIONS.pattern,
+                             text, re.M):
+        if match.group(1):
+            function = match.group(1)
+        elif function in SILENT_PRIMITIVES:
+            name = match.group().split("(")[0].strip()
+            found.append(Site(path, match.start(), text.count("\n", 0, match.start()) + 1, 0,
+                              name, function, "silent"))
+    return found
+
+
+def _guards(text: str) -> list[tuple[str, int, int]]:
+    """(function, start, end) of the condition of every hand-back guard."""
+    guards, function, at, read = [], "<module>", 0, set()
+    header = re.compile(r"^(\s*)(?:cdef|cpdef|def)\s.*?(\w+)\s*\(")
+    assignment = re.compile(r"^\s*(?:cdef\s+[\w\s\*]*?)?\b(\w+(?:\s*,\s*\w+)*)\s*"
+                            r"(?:\[[^\]]*\])?\s*=(?!=)(.*)")
+    while at < len(text):
+        line_end = text.index("\n", at) + 1 if "\n" in text[at:] else len(text)
+        line = text[at:line_end]
+        match = header.match(line)
+        if match and "=" not in line.split("(")[0]:
+            function, read = match.group(2), set()
+        code = re.sub(r"\.shape\s*\[[^\]]*\]", "", _code(line))  # a buffer's size: no load
+        assigned = assignment.match(code)
+        if assigned and re.search(r"[\w)]\s*\[|\bmemcpy\s*\(", assigned.group(2)):
+            read.update(re.findall(r"\w+", assigned.group(1)))  # values loaded from memory
+        copied = re.search(r"\bmemcpy\s*\(\s*&?(\w+)", code)
+        if copied:
+            read.add(copied.group(1))
+        guard = re.match(r"^(\s*)(?:el)?if\s", line)
+        if guard and function not in ("__cinit__", "__init__"):
+            start = at + guard.end()
+            colon = _condition_end(text, start)
+            body = text[colon:].lstrip(" :\n")
+            condition = text[start:colon]
+            names = set(re.findall(r"\b\w+\b", condition))
+            if colon > start and body.startswith("return") and \
+                    re.search(r"==|!=|<|>", _CAST.sub(lambda m: " " * len(m.group()),
+                                                       condition)) and \
+                    (names & read or re.search(r"\w\s*\[", condition)):
+                guards.append((function, start, colon))
+        at = line_end
+    return guards
+
+
+def _condition_end(text: str, start: int) -> int:
+    """Where an ``if`` condition starting at ``start`` ends (its colon)."""
+    depth, at = 0, start
+    while at < len(text):
+        char = text[at]
+        if char in "([{":
+            depth += 1
+        elif char in ")]}":
+            depth -= 1
+        elif char == ":" and depth == 0:
+            return at
+        elif char == "\n" and depth == 0 and not text[:at].rstrip(" ").endswith("\\"):
+            return start
+        at += 1
+    return start
+
+
+def _weakenings(condition: str) -> list[tuple[str, str]]:
+    """(what changed, the weakened condition) for one guard's condition."""
+    out = [("guard removed", "False")]
+    terms = _terms(condition)
+    if len(terms) > 1:
+        for index, (low, high) in enumerate(terms):
+            kept = [condition[a:b].strip() for i, (a, b) in enumerate(terms) if i != index]
+            dropped = " ".join(condition[low:high].replace("\\\n", " ").split())
+            out.append((f"'{dropped}' dropped", "(" + " or ".join(
+                " ".join(term.replace("\\\n", " ").split()) for term in kept) + ")"))
+    masked = _CAST.sub(lambda m: " " * len(m.group()), condition)
+    seen: dict[str, int] = {}
+    for match in _COMPARISON.finditer(masked):
+        seen[match.group()] = seen.get(match.group(), 0) + 1
+        term = next((condition[a:b] for a, b in terms if a <= match.start() < b), condition)
+        negated = term.lstrip().startswith("not ")
+        weaker = (_WEAKER if negated else _WEAKER_PLAIN).get(match.group())
+        if weaker is None:
+            continue
+        changed = condition[:match.start()] + weaker + condition[match.end():]
+        shown = " ".join(term.replace("\\\n", " ").split())
+        nth = f" (its {seen[match.group()]}th '{match.group()}')" if seen[match.group()] > 1 else ""
+        out.append((f"'{match.group()}'{nth} to '{weaker}' in '{shown}'", changed))
+    return out
+
+
+def _terms(condition: str) -> list[tuple[int, int]]:
+    """The spans of a condition's top-level ``or`` terms."""
+    spans, depth, low = [], 0, 0
+    for match in re.finditer(r"[()\[\]]|\bor\b", condition):
+        token = match.group()
+        if token in "([":
+            depth += 1
+        elif token in ")]":
+            depth -= 1
+        elif depth == 0:
+            spans.append((low, match.start()))
+            low = match.end()
+    spans.append((low, len(condition)))
+    return spans
+
+
+def _block_opener(text: str, line_start: int, indent: int) -> str:
+    """The header line of the block whose statements, at ``indent``,
+    include the line at ``line_start``."""
+    at = line_start
+    while at > 0:
+        previous = text.rfind("\n", 0, at - 1) + 1
+        line = text[previous:at]
+        if line.strip() and len(line) - len(line.lstrip()) < indent:
+            return line.strip()
+        at = previous
+    return ""
 
 
 def _previous_lines(text: str, start: int) -> tuple[int, int] | None:
@@ -409,12 +785,28 @@ def native_mutant(site: Site) -> str:
         tree = ast.parse(text)
         call, _ = _calls(tree, kernel=True)[site.index]
         return ast.unparse(_mutated(tree, site, call))
+    if site.mutation == "silent":
+        return text[:site.index] + BARRIER + text[_call_span(text, site.index):]
+    if site.mutation == "weaken":
+        condition = text[site.index:site.col]
+        weaker = dict(_weakenings(condition))[site.detail]
+        return text[:site.index] + " ".join(weaker.replace("\\\n", " ").split()) + \
+            text[site.col:]
     start, end, _, _ = _native_calls(site.module)[site.index]
-    if site.mutation == "move":
+    if site.mutation in ("move", "late-store"):
         before, line_start = _previous_lines(text, start)
         line_end = text.index("\n", end) + 1
         return text[:before] + text[line_start:line_end] + text[before:line_start] + \
             text[line_end:]
+    if site.mutation == "early-read":  # the fence after the read it makes fresh
+        line_start, read_start, read_end = _next_lines(text, start)
+        line_end = text.index("\n", end) + 1
+        indent = len(text[read_start:]) - len(text[read_start:].lstrip())
+        fence = " " * indent + text[start:end] + ("\n" if not text[start:end].endswith(";")
+                                                 else "\n")
+        left = text[:line_start] + " " * (start - line_start) + \
+            ("(void)0;\n" if site.module.endswith(".h") else "pass\n")
+        return left + text[line_end:read_end] + fence + text[read_end:]
     return text[:start] + ("(void)0" if site.module.endswith(".h") else "pass") + text[end:]
 
 
@@ -435,12 +827,13 @@ def _native_overlay(site: Site, directory: Path) -> str | None:
         return None
     built = directory / "tract" / "_native" / (extension.rpartition(".")[2] +
                                                sysconfig.get_config_var("EXT_SUFFIX"))
-    cached = _builds_dir() / f"{_build_key(directory, extension)}.so"
+    optimize = SILENT_OPTIMIZE if site.mutation == "silent" else MUTANT_OPTIMIZE
+    cached = _builds_dir() / f"{_build_key(directory, extension, optimize)}.so"
     if cached.exists():  # this very mutant built before (same sources, same toolchain)
         shutil.copyfile(cached, built)
         os.utime(cached)
         return None
-    failed = build_extension(directory, extension, optimize=MUTANT_OPTIMIZE)
+    failed = build_extension(directory, extension, optimize=optimize)
     if failed:
         return f"build failed: {failed[-400:]}"
     try:
@@ -457,7 +850,7 @@ def _builds_dir() -> Path:
     return _killers_file().parent / "builds"
 
 
-def _build_key(directory: Path, extension: str) -> str:
+def _build_key(directory: Path, extension: str, optimize: str) -> str:
     """What a mutant's build depends on: the extension, every native source
     of the overlay (the mutated one among them), the build script and the
     toolchain (interpreter, Cython, numpy, compiler)."""
@@ -468,7 +861,7 @@ def _build_key(directory: Path, extension: str) -> str:
 
     digest = hashlib.sha256()
     for part in (extension, sys.version, Cython.__version__, numpy.__version__,
-                 sysconfig.get_config_var("CC") or "", trace.BUILD_SCRIPT, MUTANT_OPTIMIZE):
+                 sysconfig.get_config_var("CC") or "", trace.BUILD_SCRIPT, optimize):
         digest.update(part.encode() + b"\0")
     for path in sorted((directory / "tract" / "_native").iterdir()):
         if path.suffix in (".pyx", ".pxd", ".h"):
@@ -548,8 +941,9 @@ def _killers_file() -> Path:
 
 
 def _site_key(site: Site) -> str:
-    move = ":move" if site.mutation == "move" else ""
-    return f"{site.module}:{site.function}:{site.kind}:{site.line}{move}"
+    mutation = "" if site.mutation == "delete" else f":{site.mutation}"
+    detail = f":{site.detail}" if site.detail else ""
+    return f"{site.module}:{site.function}:{site.kind}:{site.line}{mutation}{detail}"
 
 
 def run_mutant(site: Site | None, module: str, root: Path, seeds: int,
@@ -585,12 +979,24 @@ def run_mutant(site: Site | None, module: str, root: Path, seeds: int,
             return "failed"  # a mutant that hangs its tests is caught by them
     if done.returncode == 0:
         return "passed"
+    if done.returncode < 0:  # the mutant crashed its tests' process: they noticed it
+        return f"failed: its tests crashed (signal {-done.returncode})"
     if done.returncode == 1:
         for line in done.stdout.splitlines():
             if line.startswith("FAILED "):
                 return "failed by " + line.split()[1]
         return "failed"
     return f"error: exit {done.returncode}: {(done.stdout + done.stderr)[-400:]}"
+
+
+def _tally(every: list[Site], outcomes: list[str]) -> dict[str, dict[str, int]]:
+    """Per kind of mutation: its sites and how many were killed."""
+    tally: dict[str, dict[str, int]] = {}
+    for site, outcome in zip(every, outcomes):
+        entry = tally.setdefault(site.mutation, {"sites": 0, "killed": 0})
+        entry["sites"] += 1
+        entry["killed"] += outcome.startswith("failed")
+    return tally
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -630,6 +1036,9 @@ def main(argv: list[str] | None = None) -> int:
 
     every = [site for module in modules for site in sites(module, args.moves)] + \
         [site for source in natives for site in native_sites(source)]
+    equivalents = [dict(site.as_dict(), reason=equivalent(site)) for site in every
+                   if equivalent(site)]
+    every = [site for site in every if not equivalent(site)]
     suites: dict[tuple[str, ...], list[str]] = {}
     for module in modules:  # tract.lock and tract.lease share one suite
         suites.setdefault(tuple(SUITES[module]), []).append(module)
@@ -660,6 +1069,9 @@ def main(argv: list[str] | None = None) -> int:
                 lines.update(future.result()[1])
         selections: list[list[str] | None] = []
         for site in every:
+            if site.mutation == "silent":  # only the machine code shows it
+                selections.append(SILENT_TESTS)
+                continue
             if site.module in NATIVE_SUITES:  # no coverage of native code: the twin suite
                 first = killers.get(_site_key(site))
                 selections.append([first, *NATIVE_SUITES[site.module][1]] if first and
@@ -698,7 +1110,9 @@ def main(argv: list[str] | None = None) -> int:
                if outcome.startswith("error")]
     killed = sum(outcome.startswith("failed") for outcome in outcomes)
     report = {"sites": len(every), "killed": killed, "survivors": survivors,
-              "uncovered": uncovered, "tests_run": "all" if args.full else "covering"}
+              "uncovered": uncovered, "equivalent": equivalents,
+              "mutations": _tally(every, outcomes),
+              "tests_run": "all" if args.full else "covering"}
     if errors:
         report["errors"] = errors
     if args.json:
@@ -708,9 +1122,14 @@ def main(argv: list[str] | None = None) -> int:
               f"{len(survivors)} survived, {len(errors)} errors "
               f"({'every test' if args.full else 'covering tests only'}; "
               f"{len(uncovered)} sites uncovered, run against their whole suite)")
+        for mutation, tally in report["mutations"].items():
+            print(f"  {mutation}: {tally['sites']} sites, {tally['killed']} killed")
         for site in uncovered:
             print(f"  UNCOVERED {site['module']}:{site['line']} {site['kind']} "
                   f"in {site['function']}")
+        for site in equivalents:
+            print(f"  EQUIVALENT {site['module']}:{site['line']} {site['kind']} "
+                  f"in {site['function']} ({site['mutation']}): {site['reason']}")
         for survivor in survivors:
             print(f"  SURVIVED {survivor['module']}:{survivor['line']} {survivor['kind']} "
                   f"in {survivor['function']} ({survivor['mutation']})")
