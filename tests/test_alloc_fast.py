@@ -88,10 +88,12 @@ def _run_both(pool, state, native, reference, name):
     held to its reference (result, bytes, cache-control batches).  Returns
     ((native result, bytes), (reference result or error type, bytes))."""
     outcomes = []
+    lock_lines = [(pool.layout.offset, pool.layout.nbytes)]  # stale too, not compared
     for step in (reference, native):
         _restore(pool, state)
-        with _held(pool) as lock:
+        with _held(pool) as lock:  # its release fences the last flushes: settled
             outcomes.append(twins.run(pool.region, [_area(pool)], lambda: step(lock),
+                                      also=lock_lines, settle=True,
                                       errors=(CorruptionError, LeaseLost, PoolFull, ValueError)))
     reference, fast = outcomes
     if fast.result != "handed back":
@@ -155,12 +157,15 @@ def test_free_matches_the_reference_on_random_and_broken_records(pool):
             continue
         first = rng.choice(heads)
         record = owners + first * OWNER_BYTES
-        damage = rng.choice(["none", "none", "kind", "node", "run", "tail", "free"])
+        damage = rng.choice(["none", "none", "kind", "node", "no node", "run", "tail",
+                             "tail kind", "free"])
         word = int.from_bytes(state[record:record + 8], "little")
         if damage == "kind":
             word = word & ~(0xFF << 16) | 9 << 16
         elif damage == "node":
             word = word & ~0xFFFF | (MAX_NODES + 3)
+        elif damage == "no node":  # the kind kept: only the node field tells
+            word = word & ~0xFFFF
         elif damage == "free":
             word = 0
         state[record:record + 8] = word.to_bytes(8, "little")
@@ -170,6 +175,10 @@ def test_free_matches_the_reference_on_random_and_broken_records(pool):
         if damage == "tail" and 1 < run <= allocator.nchunks - first:
             tail = record + rng.randrange(1, run) * OWNER_BYTES
             state[tail + 16:tail + 24] = (first + 1).to_bytes(8, "little")
+        if damage == "tail kind" and 1 < run <= allocator.nchunks - first:
+            tail = record + rng.randrange(1, run) * OWNER_BYTES  # names its head, wrong kind
+            tail_word = int.from_bytes(state[tail:tail + 8], "little")
+            state[tail:tail + 8] = (tail_word & ~(0xFF << 16) | HEAD << 16).to_bytes(8, "little")
         state = bytes(state)
         kind = (int.from_bytes(state[record:record + 8], "little") >> 16) & 0xFF
         for expected in (HEAD, SLAB):
@@ -192,6 +201,31 @@ def test_free_matches_the_reference_on_random_and_broken_records(pool):
                 assert (fast, fast_bytes) == (ref, ref_bytes)
             checked[fast if fast == "handed back" else "freed"] += 1
     assert checked["freed"] > 10 and checked["handed back"] > 10
+
+
+def test_a_free_of_a_tail_chunk_is_handed_back(pool):
+    """A free asked of a chunk in the middle of an extent, as the kind its
+    record holds (a tail): no extent starts there, so the native free
+    writes nothing and hands it back, and the reference refuses it."""
+    allocator, layout = pool.allocator, pool.alloc_layout
+    state = bytearray(_state(pool, random.Random(4), 0.0, 0))
+    owners = layout.owners - layout.cursor_line
+    for chunk in range(10, 14):
+        record = _record(1, HEAD, 7, 3, 4) if chunk == 10 else _record(1, TAIL, 7, 3, 10)
+        state[owners + chunk * OWNER_BYTES:owners + (chunk + 1) * OWNER_BYTES] = record
+    state = bytes(state)
+
+    def native(lock):
+        count = allocator.fast.free(12, TAIL, lock.fast)
+        return "handed back" if count < 0 else count
+
+    def reference(lock):
+        return allocator._extent(12, TAIL)
+
+    (fast, fast_bytes), (ref, _) = _run_both(pool, state, native, reference,
+                                             "tract._native._allocfast.ChunkFastPath.free")
+    assert (fast, ref) == ("handed back", ValueError)
+    assert fast_bytes == state
 
 
 def test_a_lost_grant_writes_nothing_and_the_reference_raises(pool):

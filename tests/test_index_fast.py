@@ -90,11 +90,12 @@ def _others(index):
     return lambda line: not own <= line < own + index.node_bytes
 
 
-def _held_to(name, reference, fast, step, context):
+def _held_to(name, reference, fast, step, context, settle=False):
     """``step(index)`` of each from the same bytes, held to the reference
-    by result, bytes, cache-control batches and memory (tests/twins.py)."""
+    by result, bytes, cache-control batches and memory (tests/twins.py);
+    ``settle`` for a step whose caller fences its write-backs."""
     want, got = twins.both(reference.region, _areas(reference), lambda: step(reference),
-                           lambda: step(fast), stale=_others(reference))
+                           lambda: step(fast), stale=_others(reference), settle=settle)
     twins.check(name, want, got, context=context)
     return got.result
 
@@ -263,7 +264,7 @@ def test_stamp_and_unpin_match_the_python_steps(indexes):
                          dtype=np.int64)
         now = rng.getrandbits(32)
         _held_to("tract._kernels.indexfast.stamp", reference, fast,
-                 lambda index: index._stamp_words(slots, now), trial)
+                 lambda index: index._stamp_words(slots, now), trial, settle=True)
         result = _held_to("tract._kernels.indexfast.unpin", reference, fast,
                           lambda index: index.unpin(Hits(slots, np.zeros((slots.size, 8),
                                                                          np.uint64))), trial)

@@ -50,7 +50,7 @@ def _states():
     states = [NONE, GRANTED, REVOKING, 9]
     for (manager, manager_epoch), holder, state, grant_epoch, torn, stale, request in \
             itertools.product(managers, holders, states, [5, 6], [False, True], [False, True],
-                              [(0, 0, 0), (4, 3, 4)]):
+                              [(0, 0, 0), (4, 3, 2)]):  # done and wait behind req
         fields = [holder, state, 2, grant_epoch, manager_epoch - stale]
         check = grant_check(fields) ^ torn
         yield (manager, manager_epoch), fields + [check], request

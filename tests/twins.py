@@ -268,20 +268,26 @@ def STALE(offset: int) -> bool:  # noqa: N802 (a constant policy, named as one)
 def run(region, areas: Sequence[tuple[int, int]], step: Callable[[], object],
         start: Sequence[bytes] | None = None, *, capacity: int = 1 << 16,
         errors: tuple[type[BaseException], ...] = (Exception,),
-        stale: Lines | None = STALE, shadow: bool = True) -> Outcome:
+        stale: Lines | None = STALE, shadow: bool = True,
+        also: Sequence[tuple[int, int]] = (), settle: bool = False) -> Outcome:
     """``step()`` from the bytes ``start`` of ``areas`` (``(offset,
     length)`` of ``region``; default: as they are) in memory, under the
     trace and, with ``shadow``, against the shadow memory, the lines of the
     areas that ``stale`` names (by offset) holding in the cache the bytes of
-    memory inverted."""
+    memory inverted.  The areas ``also`` are shadowed and made stale too,
+    but not compared (lines the step reads whose bytes differ between the
+    runs for reasons of their own: a lock taken anew for each).  With
+    ``settle``, a fence after the step completes what it left queued for
+    the caller to fence (a lock's release does), and is not in its trace."""
     if start is not None:
         for (offset, _), data in zip(areas, start):
             region.copy_in(offset, data, nontemporal=False)
     memory, stale_lines = None, []
     if shadow:
-        extent = -(-max(offset + length for offset, length in areas) // LINE) * LINE
+        shadowed = [*areas, *also]
+        extent = -(-max(offset + length for offset, length in shadowed) // LINE) * LINE
         memory = np.frombuffer(region.read(0, extent), dtype=np.uint8).copy()
-        stale_lines = sorted({line for offset, length in areas
+        stale_lines = sorted({line for offset, length in shadowed
                               for line in range(offset // LINE * LINE, offset + length, LINE)
                               if stale is not None and stale(line)})
         for line in stale_lines:
@@ -292,12 +298,17 @@ def run(region, areas: Sequence[tuple[int, int]], step: Callable[[], object],
             result = step()
         except errors as error:
             result = (type(error), str(error))
+        if settle:
+            region.fence()
     finally:
         trace = region.trace_stop()
         for line in stale_lines:  # a line the step left as it was stale: fetched anew
             if np.array_equal(np.frombuffer(region.read(line, LINE), dtype=np.uint8),
                               ~memory[line:line + LINE]):
                 region.copy_in(line, memory[line:line + LINE], nontemporal=False)
+    if settle:
+        assert trace[-1, 0] == TRACE_FENCE, "the settling fence is not the trace's last"
+        trace = trace[:-1]
     return Outcome(result, [bytes(region.read(offset, length)) for offset, length in areas],
                    batches(trace),
                    None if memory is None else

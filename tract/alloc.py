@@ -476,6 +476,10 @@ class Allocator:
         """Chunks of the extent or slab chunk (``kind``) starting at
         ``first``, its records checked (R5; under the lock) and, when
         ``owner`` is given, still that allocation."""
+        if kind not in (HEAD, SLAB):
+            named = KINDS[kind] if 0 <= kind < len(KINDS) else f"kind {kind}"
+            raise ValueError(f"a free of chunk {first} as {named!r}: only an extent or a slab "
+                             f"chunk is freed")
         region = self.region
         head = self.owner_fresh(first)
         if head.kind != kind:

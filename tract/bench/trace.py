@@ -9,7 +9,11 @@ and measures them in pairs, alternating which goes first (A B, B A, ...):
 - the store + flush + fence round trip on one line, natively (the
   primitive every metadata step is made of);
 - `Region.copy_in_blocks` of 64 blocks of 4 KiB at unaligned offsets (a
-  streaming copy with partial-line write-backs per block, one store fence).
+  streaming copy with partial-line write-backs per block, one store fence;
+  the hook looks once per streamed group of lines, for the shadow memory);
+- a 256 KiB block's 4096 lines dropped with the payload instruction and
+  fenced, as a load does before it reads (the hook looks once per line, in
+  the loop that issues the instruction).
 
 The figure is the median of the paired ratios (the build without the
 hook's time / the shipped build's: 1.0 is no cost, higher is better), with
@@ -86,8 +90,15 @@ def copies(region):
         region.copy_in_blocks(offsets, sources)
     return time.perf_counter() - start
 
+def drops(region):
+    start = time.perf_counter()
+    for _ in range(20):
+        region.invalidate(1 << 20, 256 << 10, payload=True)
+        region.fence()
+    return time.perf_counter() - start
+
 figures = {{"round_trip": lambda region: region.time_round_trip(0, {iterations}),
-           "copy_in_blocks": copies}}
+           "copy_in_blocks": copies, "invalidate_block": drops}}
 ratios = {{figure: [] for figure in figures}}
 for figure, measure in figures.items():
     for region in regions.values():

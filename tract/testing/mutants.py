@@ -14,10 +14,12 @@ untested — either way a finding.
 
     python -m tract.testing.mutants [--json] [--module M] [--kind K] [--seeds N]
                                     [--jobs J] [--full] [--coverage FILE] [--moves]
+                                    [--mutation KIND]
     python -m tract.testing.mutants --coverage-arguments
 
 exits non-zero when any mutant survives (or a run errs), and with ``--json``
-prints ``{"sites": n, "killed": k, "survivors": [{"module", "line", "kind"}]}``.
+prints ``{"sites": n, "killed": k, "survivors": [{"module", "line", "kind", "mutation"}],
+"mutations": {kind: {"sites", "killed"}}, "equivalent": [...]}``.
 
 *Selection.*  The unmutated run of each suite is recorded with coverage.py,
 one dynamic context per test, so the harness knows which simulated tests
@@ -55,6 +57,34 @@ killed it last time first.
 block is moved before that statement (a fence before the flush or store it
 should order): always for native sites, and with ``--moves`` for the Python
 modules (``make mutants-full``).
+
+*Reorders of the data* (DESIGN.md §5: a trace of cache control alone lets
+them pass), Python and native sites alike (`order_sites`):
+
+- ``late-store``: a write-back moved before the statement that stores what
+  it should carry (a Region store call; in native code an element assigned
+  or a copy): the store now follows its write-back and never reaches
+  memory through it;
+- ``early-read``: a fence moved after the statement that reads the lines it
+  makes fresh (a Region read, a step that reads; natively an element or a
+  copy read, past the end of a ``with nogil:`` block when the fence ends
+  one): the read now comes before its invalidation completes, or before
+  the copies it must precede.
+
+The simulator's flush carries a line as it was when queued, and the native
+twins run against the shadow memory (tests/twins.py), so both show.
+
+*Weakened bounds* (``weaken``, native): each guard on a value loaded from
+memory that hands a hard case back is removed, loses one ``or`` term, or
+has one comparison moved past its edge (R5; `_weakened`).  *Silent
+primitives* (``silent``, the header): each fence or flush instruction of
+the primitives turned into a compiler barrier, which no trace or result
+shows: the instruction tests read the machine code of a build optimized as
+shipped (`SILENT_TESTS`).
+
+A mutant no host can tell from the original is declared in `EQUIVALENT`
+with the reason, reported as such and not run.  ``--mutation`` narrows a
+run to some kinds; the report counts each kind's sites and kills.
 """
 
 from __future__ import annotations
@@ -101,7 +131,9 @@ SUITES: dict[str, list[str]] = {
     "tract.cuda": ["tests/test_transfer.py"],
 }
 
-REGION_TESTS = ["tests/test_region.py::test_the_trace_records_each_primitive_of_its_own_thread",
+REGION_TESTS = ["tests/test_region.py::test_the_shadow_moves_exactly_the_lines_a_fence_completes",
+                "tests/test_region.py::test_the_shadow_sees_every_copy_reach_memory",
+                "tests/test_region.py::test_the_trace_records_each_primitive_of_its_own_thread",
                 "tests/test_region.py::test_native_copies_trace_what_the_simulator_models",
                 "tests/test_region.py::test_block_copies_move_exactly_their_bytes"]
 # native source -> (the extension a mutant rebuilds or None, its twin tests)
@@ -173,6 +205,10 @@ EQUIVALENT: dict[str, str] = {
         "a poll: a flag read before its fence holds the line as the previous poll's fence "
         "left it, so the loop sees a publication at most one poll late, and the payload it "
         "then reads is invalidated and fenced on its own",
+    "tract/_native/_lockfast.pyx:_give_back:tract_fence:early-read":
+        "the read it passes is of this node's own request line, which no other host writes "
+        "(R2): the cache holds it whatever the fence; the fence still precedes the release's "
+        "stores, which it orders after the holder's flushes (R3)",
 }
 
 
@@ -1017,6 +1053,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="coverage data of a passed run of every simulated test at these "
                              "seeds, one context per test (make test's pytest-sim tier): the "
                              "map is read from it instead of running each suite unmutated")
+    parser.add_argument("--mutation", action="append",
+                        choices=("delete", "move", "late-store", "early-read", "weaken",
+                                 "silent"),
+                        help="run only mutants of this kind (repeatable; default: all)")
     parser.add_argument("--moves", action="store_true",
                         help="also move each fence of the Python modules before the statement "
                              "it follows (native fences are always moved too)")
@@ -1036,6 +1076,8 @@ def main(argv: list[str] | None = None) -> int:
 
     every = [site for module in modules for site in sites(module, args.moves)] + \
         [site for source in natives for site in native_sites(source)]
+    if args.mutation:
+        every = [site for site in every if site.mutation in args.mutation]
     equivalents = [dict(site.as_dict(), reason=equivalent(site)) for site in every
                    if equivalent(site)]
     every = [site for site in every if not equivalent(site)]
