@@ -49,14 +49,15 @@ demo-vllm: env-vllm
 # two lanes at once, one per core: the protocol lane (pytest's unit and
 # simulated tests, the protocol modules recorded with coverage.py one context
 # per test, then the mutation harness over every protocol module, which
-# selects by that record, the spin model and the native mutants: all on the
-# simulator's virtual clock or with no clock at all, so load does not bend
-# them) beside the
+# selects by that record, the spin model and the native mutants of the
+# allocator's and the handoff's fast paths: all on the simulator's virtual
+# clock or with no clock at all, so load does not bend them) beside the
 # engine lane (the engines' environments and their tiers: vLLM, LMCache,
 # SGLang, Dynamo; asv once in quick mode; then the multi-process tests, on
 # real time with 5x margins, beside the protocol lane's one process, as
-# `make flake` runs them beside a burned core).  The slow tests run after
-# both, on a quiet machine.  pytest prints each tier's 30 slowest tests.
+# `make flake` runs them beside a burned core; then the native mutants of
+# the other sources).  The slow tests run after both, on a quiet machine.
+# pytest prints each tier's 30 slowest tests.
 TIER := $(PYTHON) tests/tiers.py run
 PYTEST := $(PY) -m pytest -q -ra --durations=30
 test: $(STAMP) sysdeps
@@ -73,7 +74,8 @@ lane-protocol: $(STAMP)
 		$$($(PY) -m tract.testing.mutants --coverage-arguments) --cov-context=test --cov-report=
 	$(MAKE) mutants MUTANTS_FROM="--coverage out/sim.coverage"
 	$(MAKE) model
-	$(MAKE) mutants-native
+	$(TIER) mutants-native -- $(PY) -m tract.testing.mutants --kind native --jobs 1 \
+		$(NATIVE_PROTOCOL_LANE)
 
 lane-engines: $(STAMP)
 	$(MAKE) -j4 env-vllm env-lmcache env-sglang env-dynamo
@@ -83,6 +85,8 @@ lane-engines: $(STAMP)
 	$(MAKE) test-dynamo
 	$(MAKE) asv
 	$(TIER) pytest-multiprocess -- $(PYTEST) -m "multiprocess and not sim"
+	$(TIER) mutants-native-engines-lane -- $(PY) -m tract.testing.mutants --kind native \
+		--jobs 1 $(NATIVE_ENGINE_LANE)
 
 # Each mutant runs only the simulated tests that execute its site (a
 # coverage map of the unmutated suites: in `make test`, the one the
@@ -92,8 +96,14 @@ mutants: $(STAMP)
 	$(TIER) mutants -- $(PY) -m tract.testing.mutants --kind python $(MUTANTS_FROM)
 
 # The native sites (each mutant rebuilds only its own extension, in a scratch
-# copy, and runs its twin tests): no coverage map needed; they end the
-# protocol lane.
+# copy, and runs its twin tests): no coverage map needed.  In `make test`
+# they end both lanes, split by source so that the lanes end together (the
+# engine lane's tiers leave its core idle for as long as the protocol lane's
+# simulated tests and Python mutants take).
+NATIVE_PROTOCOL_LANE := --module tract/_native/_allocfast.pyx \
+	--module tract/_native/_handofffast.pyx
+NATIVE_ENGINE_LANE := --module tract/_native/_lockfast.pyx --module tract/_native/_region.pyx \
+	--module tract/_native/_cachectl.h --module tract/_kernels/indexfast.py
 mutants-native: $(STAMP)
 	$(TIER) mutants-native -- $(PY) -m tract.testing.mutants --kind native --jobs 1
 

@@ -204,14 +204,14 @@ def test_free_matches_the_reference_on_random_and_broken_records(pool):
 
 
 def test_a_free_of_a_tail_chunk_is_handed_back(pool):
-    """A free asked of a chunk in the middle of an extent, as the kind its
-    record holds (a tail): no extent starts there, so the native free
-    writes nothing and hands it back, and the reference refuses it."""
+    """A free asked of a tail chunk as the kind its record holds: no extent
+    starts there, so the native free writes nothing and hands it back, and
+    the reference refuses it, even where the records after it read as the
+    tails of a run starting there (its back pointer, 2, taken for a run)."""
     allocator, layout = pool.allocator, pool.alloc_layout
     state = bytearray(_state(pool, random.Random(4), 0.0, 0))
     owners = layout.owners - layout.cursor_line
-    for chunk in range(10, 14):
-        record = _record(1, HEAD, 7, 3, 4) if chunk == 10 else _record(1, TAIL, 7, 3, 10)
+    for chunk, record in ((12, _record(1, TAIL, 7, 3, 2)), (13, _record(1, TAIL, 7, 3, 12))):
         state[owners + chunk * OWNER_BYTES:owners + (chunk + 1) * OWNER_BYTES] = record
     state = bytes(state)
 
