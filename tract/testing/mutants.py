@@ -652,9 +652,9 @@ def _weakened(path: str, text: str) -> list[Site]:
     condition reads an element or a name assigned from one) weakened in
     turn: removed, each of its ``or`` terms dropped, each comparison moved
     past its edge (see `_WEAKER`).  These are where a native step bounds
-    what it read from the pool (R5)."""
-    if not path.endswith(".pyx"):
-        return []
+    what it read from the pool (R5): the fast paths of `NATIVE_SUITES`."""
+    if not path.endswith(".pyx") or path not in NATIVE_SUITES:
+        return []  # node-local memory (the node heap) is no pool memory: R5 is the pool's
     found = []
     for function, start, end in _guards(text):
         line = text.count("\n", 0, start) + 1
