@@ -533,7 +533,7 @@ def test_unknown_lock_and_bad_node(pool_path):
 
 @pytest.mark.sim
 @pytest.mark.parametrize("mode", ["bakery", "manager"])
-def test_each_call_is_visible_to_other_hosts_when_it_returns(mode):
+def test_each_call_is_visible_to_other_hosts_when_it_returns(mode, monkeypatch):
     """R3 as a contract: once join, beat, acquire, release and leave return,
     another host sees their effect, with no further step by the writer (and
     no chaos to write anything back by luck)."""
@@ -542,8 +542,12 @@ def test_each_call_is_visible_to_other_hosts_when_it_returns(mode):
                      for node, host in enumerate(pool.hosts))
     assert second.space.liveness.live(0)  # join
     before = second.nodes.read(0)[0]
+    monkeypatch.setattr(os, "getpid", lambda: 4242)  # another process of the node joins
     first.nodes.join(0, stale=False)  # the same incarnation joins again: no other write
     assert second.nodes.read(0)[0] == before + 1
+    # with its pid, by which a later join without a node-local file judges the incarnation
+    assert pool.hosts[1].load_u64(second.nodes.line(0) + 24) == 4242
+    monkeypatch.undo()
     beat = second.nodes.read(0)[0]
     first.nodes.beat(0)
     assert second.nodes.read(0)[0] == beat + 1

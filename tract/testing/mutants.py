@@ -205,6 +205,10 @@ EQUIVALENT: dict[str, str] = {
         "a poll: a flag read before its fence holds the line as the previous poll's fence "
         "left it, so the loop sees a publication at most one poll late, and the payload it "
         "then reads is invalidated and fenced on its own",
+    "tract.index:_pin:flush_lines:late-store":
+        "the store it passes is of the access stamps, the high halves of the pin words whose "
+        "counts the write-back still carries: a stamp is a recency hint (sampled LRU), and "
+        "the unpin that follows every pin writes the same line back with it",
     "tract/_native/_lockfast.pyx:_give_back:tract_fence:early-read":
         "the read it passes is of this node's own request line, which no other host writes "
         "(R2): the cache holds it whatever the fence; the fence still precedes the release's "
@@ -327,8 +331,9 @@ def _touches(statement: ast.stmt, kernel: bool, store: bool) -> bool:
                     getattr(node.func, "id", "") in KERNEL_VIEWS:
                 return True
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
-                node.func.attr in (STORE_CALLS if store else READ_CALLS):
-            return True
+                node.func.attr in (STORE_CALLS if store else READ_CALLS) and \
+                getattr(node.func.value, "attr", getattr(node.func.value, "id", "")) != "layout":
+            return True  # (a layout's methods compute offsets: they read nothing)
     return False
 
 
