@@ -758,7 +758,7 @@ def _weakenings(condition: str) -> list[tuple[str, str]]:
             continue
         changed = condition[:match.start()] + weaker + condition[match.end():]
         shown = " ".join(term.replace("\\\n", " ").split())
-        nth = f" (its {seen[match.group()]}th '{match.group()}')" if seen[match.group()] > 1 else ""
+        nth = f" (occurrence {seen[match.group()]})" if seen[match.group()] > 1 else ""
         out.append((f"'{match.group()}'{nth} to '{weaker}' in '{shown}'", changed))
     return out
 
@@ -843,8 +843,7 @@ def native_mutant(site: Site) -> str:
         line_start, read_start, read_end = _next_lines(text, start)
         line_end = text.index("\n", end) + 1
         indent = len(text[read_start:]) - len(text[read_start:].lstrip())
-        fence = " " * indent + text[start:end] + ("\n" if not text[start:end].endswith(";")
-                                                 else "\n")
+        fence = " " * indent + text[start:end] + (";" if site.module.endswith(".h") else "") + "\n"
         left = text[:line_start] + " " * (start - line_start) + \
             ("(void)0;\n" if site.module.endswith(".h") else "pass\n")
         return left + text[line_end:read_end] + fence + text[read_end:]
