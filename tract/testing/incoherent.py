@@ -496,8 +496,9 @@ class SimHost:
         # Per simulated thread (a core): line -> "flush" | "invalidate" |
         # "writeback".  A fence completes only its own thread's queue.
         self._queues: dict[int | None, dict[int, str]] = {}
-        # line -> its bytes when last queued, and whether they were dirty then
-        self._queued: dict[int, tuple[numpy.ndarray, bool]] = {}
+        # line -> its bytes when last queued, and whether they were dirty then, kept once a
+        # store follows (None until then: the line as it is)
+        self._queued: dict[int, tuple[numpy.ndarray, bool] | None] = {}
         self._trace: list[tuple[int, int]] | None = None
         self._trace_capacity = 0
         self._trace_insns: dict[str, int] = {}
@@ -856,6 +857,11 @@ class SimHost:
     def _write_lines(self, offset: int, length: int, what: str) -> None:
         for line in self._lines(offset, length):
             self.pool._step(self.index, what, line)
+            if line in self._queued and self._queued[line] is None:
+                # a store to a line whose flush is queued: that flush carries the line as it
+                # was before this store (kept now, at the first such store only)
+                self._queued[line] = (self._cache[line * LINE:(line + 1) * LINE].copy(),
+                                      self._dirty(line))
             self._marked[line] = True
 
     def _enqueue(self, offset: int, length: int, kind: str, action: str) -> None:
@@ -865,8 +871,7 @@ class SimHost:
                 self._traced(self._trace_insns[action], line * LINE)
             self.pool._step(self.index, kind, line)
             queue = self._queues.setdefault(getattr(self.pool._thread, "index", None), {})
-            self._queued[line] = (self._cache[line * LINE:(line + 1) * LINE].copy(),
-                                  self._dirty(line))
+            self._queued[line] = None  # carries the line as it is now (see `_write_lines`)
             queued = queue.get(line)
             # flush subsumes both; invalidate + writeback = flush
             if queued is None:
