@@ -50,7 +50,7 @@ demo-vllm: env-vllm
 # simulated tests, the protocol modules recorded with coverage.py one context
 # per test, then the mutation harness over every protocol module, which
 # selects by that record, the spin model and the native mutants of the
-# allocator's and the handoff's fast paths: all on the simulator's virtual
+# allocator's, the handoff's and the index's fast paths: all on the simulator's virtual
 # clock or with no clock at all, so load does not bend them) beside the
 # engine lane (the engines' environments and their tiers: vLLM, LMCache,
 # SGLang, Dynamo; asv once in quick mode; then the multi-process tests, on
@@ -101,9 +101,9 @@ mutants: $(STAMP)
 # engine lane's tiers leave its core idle for as long as the protocol lane's
 # simulated tests and Python mutants take).
 NATIVE_PROTOCOL_LANE := --module tract/_native/_allocfast.pyx \
-	--module tract/_native/_handofffast.pyx
+	--module tract/_native/_handofffast.pyx --module tract/_kernels/indexfast.py
 NATIVE_ENGINE_LANE := --module tract/_native/_lockfast.pyx --module tract/_native/_region.pyx \
-	--module tract/_native/_cachectl.h --module tract/_kernels/indexfast.py
+	--module tract/_native/_cachectl.h
 mutants-native: $(STAMP)
 	$(TIER) mutants-native -- $(PY) -m tract.testing.mutants --kind native --jobs 1
 
