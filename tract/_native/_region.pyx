@@ -56,7 +56,19 @@ cdef extern from "_cachectl.h" nogil:
     uint64_t tract_xxh64(const char *p, size_t n, uint64_t seed) noexcept
     uint64_t tract_digest_copy(char *dst, const char *src, size_t n, uint64_t seed, int nt,
                                int kind, int insn) noexcept
-    tract_trace_t *tract_trace  # its struct: _region.pxd
+    ctypedef struct tract_shadow_t:
+        char *base
+        size_t lines
+        uint8_t *memory
+        uint8_t *fetched
+        uint8_t *queued
+        uint8_t *kinds
+        int64_t *queue
+        size_t count
+    ctypedef struct tract_trace_t:
+        int64_t *entries
+        tract_shadow_t shadow
+    tract_trace_t *tract_trace
     void tract_trace_begin(int64_t *entries, size_t capacity) noexcept
     size_t tract_trace_end() noexcept
     int TRACT_TRACE_FENCE, TRACT_TRACE_STORE_FENCE, TRACT_TRACE_LOAD_FENCE, TRACT_TRACE_STREAM
