@@ -315,7 +315,7 @@ def run_handoffs(seed, rounds=3, chaos=0.5, cancel=False):
     pool = SimPool(256 * 1024, hosts=2, seed=seed, chaos=chaos, max_steps=2_000_000)
     format_pool(pool.hosts[0], max_nodes=2, locks=("alloc", "objects", "index"), max_locks=3,
                 chunk_size=8192, max_objects=8, index_capacity=32, lock_mode="bakery",
-                lease_timeout=SIM_LEASE)
+                lease_timeout=SIM_LEASE, hash_key=pool.hash_key)
     for host in pool.hosts:
         host.invalidate(0, pool.size)
         host.fence()
@@ -529,7 +529,7 @@ def _fencing_connector():
     pool = SimPool(256 * 1024, hosts=1, seed=0, chaos=0.0)
     format_pool(pool.hosts[0], max_nodes=2, locks=("alloc", "objects", "index"), max_locks=3,
                 chunk_size=8192, max_objects=8, index_capacity=32, lock_mode="bakery",
-                lease_timeout=SIM_LEASE)
+                lease_timeout=SIM_LEASE, hash_key=pool.hash_key)
     handle = Pool(pool.hosts[0], 0, clock=pool.clock, heartbeat=False, local_locks=False,
                   fencing=True)
     return pool, Connector(handle, SIM_LAYOUT, timeout=100 * SIM_LEASE)

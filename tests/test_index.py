@@ -209,7 +209,7 @@ def _sim_pool(seed, nodes, chaos, capacity=16, lease=SIM_LEASE):
     pool = SimPool(192 * 1024, hosts=nodes, seed=seed, chaos=chaos, max_steps=1_500_000)
     format_pool(pool.hosts[0], max_nodes=nodes, locks=("alloc", "objects", "index"),
                 max_locks=3, chunk_size=8192, max_objects=4, index_capacity=capacity,
-                lock_mode="bakery", lease_timeout=lease)
+                lock_mode="bakery", lease_timeout=lease, hash_key=pool.hash_key)
     for host in pool.hosts:
         host.invalidate(0, pool.size)
         host.fence()

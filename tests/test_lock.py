@@ -29,7 +29,7 @@ def _sim_pool(seed, nodes, mode, chaos=0.2, max_steps=120_000):
     pool = SimPool(64 * 1024, hosts=nodes, seed=seed, chaos=chaos, max_steps=max_steps)
     format_pool(pool.hosts[0], max_nodes=nodes, locks=("alloc", "objects"), max_locks=2,
                 chunk_size=8192, max_objects=16, index_capacity=64,
-                lock_mode=mode, lease_timeout=SIM_LEASE)
+                lock_mode=mode, lease_timeout=SIM_LEASE, hash_key=pool.hash_key)
     for host in pool.hosts:  # the formatted pool is in memory; every host starts fresh
         host.invalidate(0, pool.size)
         host.fence()

@@ -25,7 +25,7 @@ def _sim_pool(seed, nodes, chaos=0.3):
     pool = SimPool(128 * 1024, hosts=nodes, seed=seed, chaos=chaos, max_steps=400_000)
     format_pool(pool.hosts[0], max_nodes=nodes, locks=("alloc", "objects"), max_locks=2,
                 chunk_size=8192, max_objects=8, index_capacity=64, lock_mode="bakery",
-                lease_timeout=SIM_LEASE)
+                lease_timeout=SIM_LEASE, hash_key=pool.hash_key)
     for host in pool.hosts:
         host.invalidate(0, pool.size)
         host.fence()

@@ -167,7 +167,8 @@ def _published(seed, chaos):
 
     def formatter(host):
         format_pool(host, max_nodes=2, locks=("alloc", "objects"), max_locks=2,
-                    chunk_size=8192, max_objects=16, index_capacity=64, lease_timeout=0.004)
+                    chunk_size=8192, max_objects=16, index_capacity=64, lease_timeout=0.004,
+                    hash_key=sim.hash_key)
         done.append("formatted")
         while len(done) < 2:
             sim.clock.sleep(1e-5)
@@ -228,7 +229,7 @@ def test_a_node_whose_lease_lapsed_allocates_nothing():
     sim = SimPool(64 * 1024, hosts=1, seed=0, chaos=0.0)
     format_pool(sim.hosts[0], max_nodes=2, locks=("alloc", "objects"), max_locks=2,
                 chunk_size=8192, max_objects=16, index_capacity=64, lease_timeout=0.004,
-                lock_mode="bakery")
+                lock_mode="bakery", hash_key=sim.hash_key)
     handle = Pool(sim.hosts[0], 0, clock=sim.clock, heartbeat=False, local_locks=False,
                   fencing=True)
     handle.free(handle.alloc(3000))

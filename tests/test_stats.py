@@ -27,7 +27,8 @@ def run_counts(seed, rounds=5, chaos=0.3):
     reads exactly what they added."""
     pool = SimPool(128 * 1024, hosts=3, seed=seed, chaos=chaos, max_steps=200_000)
     format_pool(pool.hosts[0], max_nodes=3, locks=("alloc", "objects"), max_locks=2,
-                chunk_size=8192, max_objects=8, index_capacity=64, lock_mode="bakery")
+                chunk_size=8192, max_objects=8, index_capacity=64, lock_mode="bakery",
+                hash_key=pool.hash_key)
     for host in pool.hosts:
         host.invalidate(0, pool.size)
         host.fence()

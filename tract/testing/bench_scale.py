@@ -52,7 +52,7 @@ def _pool(nodes: int, mode: str) -> SimPool:
     pool = SimPool(3 << 20, hosts=3, seed=0, chaos=0.0, max_steps=20_000_000)
     format_pool(pool.hosts[0], max_nodes=nodes, locks=("alloc", "objects", "index"),
                 max_locks=3, chunk_size=8192, max_objects=8, index_capacity=64,
-                lock_mode=mode, lease_timeout=LEASE)
+                lock_mode=mode, lease_timeout=LEASE, hash_key=pool.hash_key)
     for host in pool.hosts:  # the formatted pool is in memory; every host starts fresh
         host.invalidate(0, pool.size)
         host.fence()

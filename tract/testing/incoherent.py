@@ -177,6 +177,10 @@ class SimPool:
         self.raise_on_lost_update = raise_on_lost_update
         self.raise_on_stale_read = raise_on_stale_read
         self.rng = random.Random(seed)
+        #: the key to format this pool with (`format_pool(hash_key=...)`):
+        #: made from the seed, so that a seed replays the run whole (a random
+        #: key would change every block key and the evictor's tie-breaks)
+        self.hash_key = random.Random(f"hash_key:{seed}").randbytes(16)
         self.memory = numpy.zeros(size, dtype=numpy.uint8)
         lines = size // LINE
         self.version = numpy.zeros(lines, dtype=numpy.int64)
