@@ -181,7 +181,8 @@ def test_a_node_that_crashes_mid_alloc_leaves_a_consistent_reclaimable_pool():
 
 def run_ring(seed, count=40, chaos=0.3):
     """A sender pushes offsets through its free ring while the receiver
-    drains it: every offset arrives once, in order."""
+    drains it when `FreeRing.pending` names it: every offset arrives once,
+    in order."""
     pool = _sim_pool(seed, 2, chaos)
     received, sent = [], list(range(4096, 4096 + 8 * count, 8))
     handles = [Pool(host, node, clock=pool.clock, heartbeat=False, local_locks=False)
@@ -193,10 +194,11 @@ def run_ring(seed, count=40, chaos=0.3):
             while not ring.push(offset, 1):
                 pool.clock.sleep(1e-5)
 
-    def receiver(host):
+    def receiver(host):  # as `Allocator.drain`: only a ring `pending` names is drained
         ring = FreeRing(host, handles[1].alloc_layout, 0, 1)
         while len(received) < count:
-            received.extend(ring.drain(1))
+            if FreeRing.pending(host, handles[1].alloc_layout, 1) == [0]:
+                received.extend(ring.drain(1))
             pool.clock.sleep(1e-5)
 
     pool.run(sender, receiver)

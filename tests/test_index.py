@@ -10,6 +10,7 @@ mutant of tract.index (TRACT_SIM_SEEDS sets the seeds).
 import multiprocessing
 import os
 import random
+import time
 import zlib
 
 import numpy as np
@@ -555,6 +556,86 @@ def test_a_full_pool_makes_room_in_a_sparse_table(pool_path):
             stored += sum(published)
         assert stored == 120 * 8
         assert fsck(pool_path, watch=False)["ok"]
+
+
+def _slab_owners(pool):
+    """(node, epoch, adopted tag) -> chunks, of every slab chunk, fresh."""
+    allocator, found = pool.allocator, {}
+    for chunk in range(allocator.nchunks):
+        owner = allocator.owner_fresh(chunk)
+        if owner.kind == 1:  # a slab
+            found.setdefault((owner.node, owner.epoch, owner.adopted), []).append(chunk)
+    return found
+
+
+@pytest.mark.parametrize("after", ["another node", "the same node restarted"])
+def test_the_memory_of_a_node_that_left_flows_to_the_node_that_stores(pool_path, after):
+    """Node 0 fills the pool with blocks (4 per slab) and closes: its slabs
+    stay, every block referenced.  Then another node, or node 0 again as a
+    new incarnation, stores as much again: each eviction of a gone
+    incarnation's block adopts its slab, one record per chunk, so the block
+    is the storing node's to allocate at once; every store succeeds, the
+    whole index is read for references at most at the change of standing
+    (not at each allocation while the gone node's memory is referenced),
+    and the pool ends
+    with every slab the storing node's (adopted ones tagged with the gone
+    owner), fsck clean."""
+    from tract.alloc import adoption_tag, Owner
+    _create(pool_path, size=4 << 20, capacity=1024)
+    rng = np.random.default_rng(11)
+    with Pool.open(pool_path, 0, manager=True) as first:
+        gone = first.epoch
+        while True:
+            keys = rng.integers(0, 2**63, size=(8, 2), dtype=np.uint64)
+            before = first.counters().get(0, {}).get("evictions", 0)
+            _publish(first, keys, size=16 << 10)
+            if first.counters()[0].get("evictions", 0) > before:
+                break  # full
+        full = _slab_owners(first)
+    assert list(full) == [(0, gone, 0)]
+    node = 1 if after == "another node" else 0
+    with Pool.open(pool_path, node, manager=True) as pool:
+        scans = []  # reads of every reference (the whole index): a referrer sees each
+        pool.allocator.add_referrer(lambda: scans.append(1) or [])
+        for _ in range(2 * len(full[(0, gone, 0)])):
+            keys = rng.integers(0, 2**63, size=(8, 2), dtype=np.uint64)
+            _, published = _publish(pool, keys, size=16 << 10)
+            assert all(published)
+        assert len(scans) <= 2, scans
+        slabs = _slab_owners(pool)
+        tag = adoption_tag(Owner(0, 1, 0, gone, 1))
+        assert set(slabs) <= {(node, pool.epoch, 0), (node, pool.epoch, tag)}, slabs
+        assert len(slabs.get((node, pool.epoch, tag), [])) > len(full[(0, gone, 0)]) // 2
+        heap = {chunk for chunk, _, _ in pool.allocator.heap.slabs()}
+        assert heap == {chunk for chunks in slabs.values() for chunk in chunks}
+    assert fsck(pool_path, watch=False)["ok"]
+
+
+def test_a_block_free_when_its_slab_was_adopted_comes_back_two_looks_later(pool_path):
+    """Node 0 stores 4 blocks (one slab), removes one (free in its heap)
+    and closes.  Node 1 removes a second: it adopts the slab, every block
+    held (ADOPTED) but the one it freed.  The block that was free at the
+    adoption is referenced by nothing: the adopted blocks' sweep gives it
+    back at its second look a lease after the first, never the two still
+    referenced."""
+    from tract._native._nodeheap import ADOPTED
+    _create(pool_path, size=4 << 20, capacity=256, lease_timeout=0.2)
+    keys = np.arange(8, dtype=np.uint64).reshape(4, 2) + np.uint64(1)
+    with Pool.open(pool_path, 0, manager=True) as first:
+        reserved, _ = _publish(first, keys, size=16 << 10)
+        offsets = [int(r.offset) for r in reserved]
+        assert len({offset // (64 << 10) for offset in offsets}) == 1  # one slab
+        assert first.index.remove(keys[:1]).all()
+    with Pool.open(pool_path, 1, manager=True) as pool:
+        assert pool.index.remove(keys[1:2]).all()
+        heap = pool.allocator.heap
+        assert [heap.holder(offset) for offset in offsets] == [ADOPTED, 0, ADOPTED, ADOPTED]
+        pool.allocator.reclaim_dead_blocks(adopted=True)
+        time.sleep(0.25)
+        pool.allocator.reclaim_dead_blocks(adopted=True)
+        assert [heap.holder(offset) for offset in offsets] == [0, 0, ADOPTED, ADOPTED]
+        assert pool.index.lookup(keys[2:]) == 2
+    assert fsck(pool_path, watch=False)["ok"]
 
 
 def _read_hits(pool, hits, keys):

@@ -606,6 +606,35 @@ def test_a_release_lands_only_after_the_holders_flushes():
 
 
 @pytest.mark.sim
+def test_the_batch_reads_of_the_node_table_see_each_change_at_their_first_look():
+    """Node 0 holds node 1's table line in its cache; node 1 leaves, then
+    rejoins.  `Liveness.live_nodes` drops node 1 at its first look after
+    the leave is in memory, and `NodeTable.standing` differs at its first
+    look after the rejoin (R4: one batch of drops, then one fence, then the
+    reads: not one look late)."""
+    pool, handles = _two_nodes()
+    watcher, member = handles
+    looks = {}
+
+    def steps(host):
+        looks["live before"] = watcher.space.liveness.live_nodes()
+        before = watcher.nodes.standing()  # node 1's line is in node 0's cache
+        member.leave()  # flushed and fenced: in memory
+        looks["live after leave"] = watcher.space.liveness.live_nodes()
+        left = watcher.nodes.standing()
+        looks["standing changed at the leave"] = left != before
+        member.nodes.join(1, True)
+        looks["standing changed at the rejoin"] = watcher.nodes.standing() != left
+        looks["live after rejoin"] = watcher.space.liveness.live_nodes()
+
+    pool.run((0, steps))
+    assert looks == {"live before": [0, 1], "live after leave": [0],
+                     "standing changed at the leave": True,
+                     "standing changed at the rejoin": True, "live after rejoin": [0, 1]}
+    assert pool.stale_reads == [] and pool.lost_updates == []
+
+
+@pytest.mark.sim
 def test_a_node_that_left_is_skipped_at_once():
     pool = _sim_pool(0, 2, "bakery", chaos=0.0)
     first, second = (Pool(host, node, clock=pool.clock, heartbeat=False, local_locks=False)

@@ -70,7 +70,7 @@ import numpy as np
 
 from tract._kernels import bitmap
 from tract._native._allocfast import ChunkFastPath
-from tract._native._nodeheap import NOT_HELD, NOT_MINE
+from tract._native._nodeheap import ADOPTED, NOT_HELD, NOT_MINE
 from tract._native._region import Region
 from tract.errors import CorruptionError, LockTimeout, PoolFull
 from tract.lease import ALIVE
@@ -162,6 +162,21 @@ class FreeRing:
             raise CorruptionError(f"{self.where}: head {head}, tail {tail}")
         return head, tail
 
+    @staticmethod
+    def pending(region, layout: AllocLayout, receiver: int) -> list[int]:
+        """The senders whose ring to ``receiver`` holds entries: every ring's
+        head line invalidated in one batch, one fence (R4), read against its
+        tail, the receiver's own line (R2).  A ring named is then drained,
+        its counters checked (R5)."""
+        senders = np.array([sender for sender in range(layout.max_nodes) if sender != receiver],
+                           dtype=np.int64)
+        heads = layout.rings + (senders * layout.max_nodes + receiver) * layout.ring_bytes
+        region.invalidate_lines(heads)
+        region.fence()
+        tail = LINE + RING_SLOTS * 8
+        return [sender for sender, head in zip(senders.tolist(), heads.tolist())
+                if region.load_u64(head) != region.load_u64(head + tail)]
+
     def push(self, offset: int, epoch: int) -> bool:
         """Queue ``offset`` for the receiver's incarnation ``epoch``; False
         when the ring is full."""
@@ -238,6 +253,14 @@ class Owner(typing.NamedTuple):
     pid: int
     epoch: int
     run: int  # head: chunks in the extent; tail: the head's chunk; slab: 1
+    adopted: int = 0  # a slab taken over from a gone owner: that owner's `adoption_tag`
+
+
+def adoption_tag(owner: Owner) -> int:
+    """What an adopted slab's record keeps of the owner it was taken from
+    (its node and the low 48 bits of its epoch): a free that read that
+    owner before the adoption finds its block's new owner by it."""
+    return (owner.node + 1) | (owner.epoch & 0xFFFF_FFFF_FFFF) << 16
 
 
 class Reference(typing.NamedTuple):
@@ -288,9 +311,12 @@ class Allocator:
         ) if isinstance(self.region, Region) else None
         self.rejected: list[str] = []
         self._alloc_lock = None  # remote frees that named no block of ours
-        # blocks of this node's slabs held by dead processes: when first seen
-        self._dead_seen: dict[tuple[int, int], float] = {}
-        self._dead_looked = float("-inf")
+        # blocks of this node's slabs held by dead processes (of adopted
+        # slabs: True): when looked at last, and when each was first seen
+        self._dead_seen: dict[bool, tuple[float, dict[tuple[int, int], float]]] = {}
+        # the last reclaim walk: when, and every node's standing then (`_reclaim_due`)
+        self._walked: tuple[float, bytes | None] = (float("-inf"), None)
+        self._dead_referenced: set[tuple[int, Owner]] = set()  # what the last walk left
 
     # ------------------------------------------------------------ records
 
@@ -307,7 +333,7 @@ class Allocator:
     def owner(self, chunk: int) -> Owner:
         """Chunk ``chunk``'s owner record as this host sees it now (R5)."""
         line = self.layout.owner(chunk)
-        word, epoch, run = self.region.load_u64s(line, 3)
+        word, epoch, run, adopted = self.region.load_u64s(line, 4)
         node_field, kind, pid = word & 0xFFFF, (word >> 16) & 0xFF, word >> 32
         if kind > TAIL:
             problem = f"has kind {kind}; expected 0..{TAIL}"
@@ -319,7 +345,7 @@ class Allocator:
         elif kind == TAIL and not 0 <= run < chunk:
             problem = f"is a tail of chunk {run}, which is not before it"
         else:
-            return Owner(node_field - 1 if node_field else None, kind, pid, epoch, run)
+            return Owner(node_field - 1 if node_field else None, kind, pid, epoch, run, adopted)
         raise CorruptionError(f"owner record of chunk {chunk} at offset {line} {problem}")
 
     def owner_fresh(self, chunk: int) -> Owner:
@@ -420,7 +446,7 @@ class Allocator:
         if count == 1 and not (int(words[cursor // 64]) >> (cursor % 64)) & 1:
             return cursor  # next fit: the cursor's chunk is free
         first = bitmap.first_free_run(words, self.nchunks, count, cursor)
-        if first < 0 and self._reclaim_locked(words, lock):
+        if first < 0 and self._reclaim_due() and self._reclaim_locked(words, lock):
             first = bitmap.first_free_run(words, self.nchunks, count, 0)
         if first < 0:
             free = bitmap.count_free(words, self.nchunks)
@@ -433,16 +459,21 @@ class Allocator:
         """Owner records, then bits and cursor (under the lock, after the
         fencing check)."""
         region, layout = self.region, self.layout
-        self._fresh_partial_lines(first, count)
         records = _RECORD.pack(owner | kind << 16, self.pool.epoch, count if kind == HEAD else 1,
                                0)
         records += _RECORD.pack(owner | TAIL << 16, self.pool.epoch, first, 0) * (count - 1)
-        region.copy_in(layout.owner(first), records, nontemporal=False)
-        region.flush(layout.owner(first), count * OWNER_BYTES)
+        self._put_records(first, records)
         # the bits are read fresh, after a fence: it puts the records in memory first (R3)
         self._set_bits(first, count, True)
         region.store_u64(layout.cursor_line, (first + count) % self.nchunks)
         region.flush(layout.cursor_line, LINE)  # fenced by the lock's release (R3)
+
+    def _put_records(self, first: int, records: bytes) -> None:
+        """Write owner records from chunk ``first`` (under the lock, R2),
+        written back; the caller fences."""
+        self._fresh_partial_lines(first, len(records) // OWNER_BYTES)
+        self.region.copy_in(self.layout.owner(first), records, nontemporal=False)
+        self.region.flush(self.layout.owner(first), len(records))
 
     def free_chunks(self, first: int, timeout: float | None = None, kind: int = HEAD,
                     owner: Owner | None = None) -> int:
@@ -530,7 +561,7 @@ class Allocator:
     def _references(self) -> list[tuple[int, int]]:
         return [span for referrer in self._referrers for span in referrer()]
 
-    def _references_whole(self) -> list[tuple[int, int]] | None:
+    def _references_whole(self, timeout: float | None = None) -> list[tuple[int, int]] | None:
         """The referrers' (offset, size) ranges, read under the pool's
         ``objects`` and ``index`` locks (after ``alloc``, the order fsck
         takes them too), so no record or entry is half-written as it is
@@ -543,7 +574,7 @@ class Allocator:
             for name in ("objects", "index"):
                 if name in names:
                     lock = self.pool.lock(name)
-                    lock.acquire(self.pool.header.lease_timeout)
+                    lock.acquire(timeout or self.pool.header.lease_timeout)
                     held.append(lock)
             return self._references()
         except LockTimeout:
@@ -567,36 +598,63 @@ class Allocator:
             return True
         return owner.kind == HEAD and local_pids and not pid_alive(owner.pid)
 
-    def reclaimable(self, words: np.ndarray | None = None) -> list[tuple[int, int, Owner]]:
+    def _reclaim_due(self) -> bool:
+        """Whether a reclaim walk may find what the last one did not: a
+        node's epoch or state changed since (one left, joined or rejoined),
+        or a lease passed (a node whose lease lapsed, a local process that
+        died and left its extents).  The walk reads the whole pool's
+        records; a full pool asks at every allocation, so it runs only then
+        (and on `reclaim`)."""
+        when, standing = self._walked
+        return self.pool.clock.now() - when >= self.pool.header.lease_timeout \
+            or self.pool.nodes.standing() != standing
+
+    def reclaimable(self, words: np.ndarray | None = None, every: bool = True
+                    ) -> list[tuple[int, int, Owner]]:
         """(first chunk, count, owner) of every allocation whose owner is dead
-        and that nothing references."""
+        and that nothing references: the owner records read in one batch,
+        one verdict per distinct owner, its record checked (R5).  Not
+        ``every``: none when each dead allocation is one the last walk found
+        referenced (its reference goes only by a free, which frees or
+        adopts it), so the references, the whole index, are read only when
+        something died since."""
+        self._walked = (self.pool.clock.now(), self.pool.nodes.standing())
         words = self._bitmap() if words is None else words
         local_nodes = self.pool.nodes_on_this_host()
         self._fresh_owners(0, self.nchunks)
         self.region.fence()
-        dead, verdicts = [], {}
-        for chunk in range(self.nchunks):
-            if not (int(words[chunk // 64]) >> (chunk % 64)) & 1:
-                continue
+        records = np.frombuffer(self.region.read(self.layout.owners, self.nchunks * OWNER_BYTES),
+                                dtype=np.uint64).reshape(self.nchunks, OWNER_BYTES // 8)
+        taken = np.unpackbits(words.view(np.uint8), bitorder="little")[:self.nchunks]
+        kinds = (records[:, 0] >> np.uint64(16)) & np.uint64(0xFF)
+        chunks = np.flatnonzero(taken.astype(np.bool_) & ((kinds == HEAD) | (kinds == SLAB)))
+        if not chunks.size:
+            return []
+        _, firsts, inverse = np.unique(records[chunks, :2], axis=0, return_index=True,
+                                       return_inverse=True)
+        verdicts = np.zeros(firsts.size, dtype=np.bool_)
+        for row, first in enumerate(firsts.tolist()):
+            owner = self.owner(int(chunks[first]))
+            verdicts[row] = self.dead_owner(owner, owner.node in local_nodes)
+        dead = []
+        for chunk in chunks[verdicts[inverse.reshape(-1)]].tolist():
             owner = self.owner(chunk)
-            if owner.kind not in (HEAD, SLAB):
-                continue
-            judged = (owner.node, owner.epoch, owner.kind, owner.pid)
-            if judged not in verdicts:
-                verdicts[judged] = self.dead_owner(owner, owner.node in local_nodes)
-            if verdicts[judged]:
-                dead.append((chunk, owner.run if owner.kind == HEAD else 1, owner))
-        if not dead:  # the common case under pressure: no reference scan needed
+            dead.append((chunk, owner.run if owner.kind == HEAD else 1, owner))
+        if not dead or not every and {(chunk, owner) for chunk, _, owner in dead} \
+                <= self._dead_referenced:  # the common cases under pressure: no reference scan
             return []
         ranges = self._references_whole()
         if ranges is None:
             return []
         referenced = self.referenced_chunks(ranges)
-        return [(chunk, count, owner) for chunk, count, owner in dead
+        free = [(chunk, count, owner) for chunk, count, owner in dead
                 if not any(c in referenced for c in range(chunk, chunk + count))]
+        self._dead_referenced = {(chunk, owner) for chunk, _, owner in dead} \
+            - {(chunk, owner) for chunk, _, owner in free}
+        return free
 
     def _reclaim_locked(self, words: np.ndarray, lock) -> int:
-        reclaimed = self.reclaimable(words)
+        reclaimed = self.reclaimable(words, every=False)
         if reclaimed:
             lock.check()
         for chunk, count, _ in reclaimed:
@@ -858,12 +916,15 @@ class Allocator:
             owners.append(owner)
         return owners
 
-    def free_of(self, offset: int, owner: Owner, timeout: float | None = None) -> bool:
+    def free_of(self, offset: int, owner: Owner, timeout: float | None = None,
+                size: int | None = None) -> bool:
         """Free the allocation at ``offset`` if its chunk still holds what
         ``owner`` (from `payload_owners`) named; False when the pool
         reclaimed it meanwhile: its owner (an extent's process, a slab's
         node) died and the reference was dropped before this free, so the
-        reclaim freed it, and it may hold another allocation now."""
+        reclaim freed it, and it may hold another allocation now.  With
+        ``size`` (the allocation's bytes), a block of a gone node's slab is
+        freed here by adopting the slab (`_adopt`)."""
         chunk = self.chunk_of(offset)
         if owner.kind == HEAD and offset == self.offset_of(chunk):
             try:
@@ -874,13 +935,7 @@ class Allocator:
                 return False
             return True
         if owner.kind == SLAB and (owner.node, owner.epoch) != (self.node, self.pool.epoch):
-            # another node's slab (or a past incarnation's of this node): reclaimed
-            # with its node once that node is gone, in which case nothing is to free
-            if self.owner_fresh(chunk) != owner or owner.node == self.node \
-                    or self.dead_owner(owner, False):
-                return False
-            self._free_remote(owner, offset)  # tagged with its epoch: a next one drops it
-            return True
+            return self._free_foreign(offset, chunk, owner, size, timeout)
         if owner.kind not in (HEAD, SLAB):
             return False  # named a chunk no allocation held: nothing of its to free
         if owner.kind == SLAB and self.heap is not None:
@@ -894,6 +949,65 @@ class Allocator:
             if found != NOT_MINE:
                 return found != NOT_HELD
         self.free(offset, timeout)
+        return True
+
+    def _free_foreign(self, offset: int, chunk: int, owner: Owner, size: int | None,
+                      timeout: float | None) -> bool:
+        """`free_of` of a block of another node's slab, or of a past
+        incarnation's of this node (``owner``, read while the block was
+        referenced): to that node's free ring while it lives; a gone node's
+        slab is adopted by this node (`_adopt`), so that the block is memory
+        this node can allocate now; a slab adopted since ``owner`` was read
+        is followed to its adopter.  False when nothing is to free: the
+        slab was reclaimed whole, or cannot be adopted (no heap here, no
+        ``size``), and returns with its chunk once nothing references it."""
+        current = self.owner_fresh(chunk)
+        if current != owner:
+            if current.kind != SLAB or current.adopted != adoption_tag(owner):
+                return False  # reclaimed whole: its memory may be another's now
+            owner = current  # the block is held (ADOPTED) in its adopter's heap
+            if (owner.node, owner.epoch) == (self.node, self.pool.epoch):
+                return self.heap is not None and self.heap.free(offset, ADOPTED) >= 0
+        if not self.dead_owner(owner, False):
+            self._free_remote(owner, offset)  # tagged with its epoch: a next one drops it
+            return True
+        if self.heap is None or size is None or size > self.heap.max_size \
+                or not self._adopt(chunk, owner, offset, size, timeout):
+            return False
+        return self.heap.free(offset, ADOPTED) >= 0
+
+    def _adopt(self, chunk: int, owner: Owner, offset: int, size: int,
+               timeout: float | None) -> bool:
+        """Take ``chunk``, a slab of ``owner`` (a node, or an incarnation of
+        this one, that is gone: its claim is void, R6), as a slab of this
+        node, every block held (`ADOPTED`) until the reference to it is
+        dropped and the block freed here; ``offset`` (a block of ``size``
+        bytes) must start a block of it (R5).  Under the ``alloc`` lock,
+        its grant checked: the heap lists the slab before the record names
+        this node (a free routed here finds it), and the record keeps the
+        gone owner's tag (`adoption_tag`), so that a free that read the
+        old record follows it here.  False when the record changed
+        meanwhile (adopted or reclaimed by another node)."""
+        _, block = self.heap.size_class(size)
+        if (offset - self.offset_of(chunk)) % block:
+            raise CorruptionError(f"a {size}-byte block at offset {offset} does not start a "
+                                  f"{block}-byte block of the slab at chunk {chunk}")
+        lock = self._lock()
+        lock.acquire(timeout)
+        try:
+            if self.owner_fresh(chunk) != owner:
+                return False
+            self.heap.add_slab(chunk, size, ADOPTED)
+            try:
+                lock.check()  # fencing: still ours before the record names this node (R6)
+                self._put_records(chunk, _RECORD.pack(  # fenced by the lock's release (R3)
+                    (self.node + 1) | SLAB << 16 | self.pid << 32, self.pool.epoch, 1,
+                    adoption_tag(owner)))
+            except BaseException:
+                self.heap.forget_slab(chunk)
+                raise
+        finally:
+            lock.release()
         return True
 
     def free(self, offset: int, timeout: float | None = None) -> None:
@@ -937,7 +1051,7 @@ class Allocator:
                 lost.append(chunk)
         return lost
 
-    def reclaim_dead_blocks(self, timeout: float | None = None) -> int:
+    def reclaim_dead_blocks(self, timeout: float | None = None, adopted: bool = False) -> int:
         """Free the blocks of this node's slabs whose process is gone and
         that nothing referenced at two looks a lease apart, then trim;
         returns how many blocks were freed.  A block that a live process
@@ -945,41 +1059,46 @@ class Allocator:
         free) is freed by it right after, far within a lease (a stall past
         its lease is what R6's self-fencing stops), and a free here takes
         only a block its dead process still holds.  Looks at most every
-        quarter lease: this is the allocation slow path."""
+        quarter lease: this is the allocation slow path.  ``adopted``: the
+        blocks of adopted slabs instead (`ADOPTED`), which a free of their
+        reference gives back one by one; those that no reference named
+        when their slab was adopted (free in the gone node's heap, or
+        queued to it) come back here, off the allocation path (the
+        heartbeat's, every few leases), ``timeout`` bounding each lock."""
         if self.heap is None:
             return 0
         now, lease = self.pool.clock.now(), self.pool.header.lease_timeout
-        if now - self._dead_looked < lease / 4:
+        looked, seen = self._dead_seen.get(adopted, (float("-inf"), {}))
+        if now - looked < lease / 4:
             return 0
-        self._dead_looked = now
         blocks = [block for _, _, used in self.heap.slabs() for block in used
-                  if block[1] != self.heap.pid]
+                  if block[1] != self.heap.pid and (block[1] == ADOPTED) == adopted]
         alive = {pid: pid_alive(pid) for pid in {pid for _, pid in blocks}}
         dead = [block for block in blocks if not alive[block[1]]]
         if dead:
-            ranges = self._references_whole()
+            ranges = self._references_whole(timeout)
             if ranges is None:
                 return 0
             referenced = {offset for offset, _ in ranges}
             dead = [block for block in dead if block[0] not in referenced]
-        seen = self._dead_seen
-        self._dead_seen = {block: seen.get(block, now) for block in dead}
-        ripe = [block for block, first in self._dead_seen.items() if now - first >= lease]
+        seen = {block: seen.get(block, now) for block in dead}
+        ripe = [block for block, first in seen.items() if now - first >= lease]
+        for block in ripe:
+            del seen[block]
+        self._dead_seen[adopted] = (now, seen)
         if not ripe:
             return 0
-        for block in ripe:
-            del self._dead_seen[block]
         freed = self.heap.release_blocks(ripe)
         self.trim(timeout)
         return freed
 
     def trim(self, timeout: float | None = None) -> int:
         """Give this node's empty slabs back to the pool; returns how many."""
-        if self.heap is None:
+        if self.heap is None or not self.heap.empty_slabs:  # the common case: a counter
             return 0
         trimmed = 0
-        for chunk, _, used in self.heap.slabs():
-            if not used and self.heap.drop_slab(chunk):
+        for chunk in self.heap.empty_chunks():
+            if self.heap.drop_slab(chunk):
                 self.free_chunks(chunk, timeout, SLAB)
                 trimmed += 1
         return trimmed
@@ -1014,9 +1133,7 @@ class Allocator:
         taken = []
         try:
             with self.rings.taken(timeout):  # the blocks are freed after the turn
-                for sender in range(self.layout.max_nodes):
-                    if sender == self.node:
-                        continue
+                for sender in FreeRing.pending(self.region, self.layout, self.node):
                     ring = FreeRing(self.region, self.layout, sender, self.node)
                     try:
                         taken.append((sender, ring.drain(self.pool.epoch)))

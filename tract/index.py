@@ -781,7 +781,7 @@ class Index:
         if count > nchunks:
             return 0
         slots, entries = self._ready_extents()
-        live = [node for node in range(self.max_nodes) if self.pool.space.liveness.live(node)]
+        live = self.pool.space.liveness.live_nodes()
         pins, stamps = self._pins(slots, live)
         slots, entries, stamps = slots[pins == 0], entries[pins == 0], stamps[pins == 0]
         offsets = entries[:, 4].astype(np.int64)
@@ -838,7 +838,7 @@ class Index:
         evicted."""
         run = min(EVICT_RUN, self.capacity)
         slots = (runs[:, None] * run + np.arange(run)).ravel()
-        freed, owners, evicted_slots = [], [], []
+        freed, sizes, owners, evicted_slots = [], [], [], []
         victims = np.zeros((0, 8), np.uint64)
         with self.pool.lock("index")(timeout) as lock:
             entries = self._read(self._entries(slots)).copy()
@@ -848,8 +848,7 @@ class Index:
             ready = (self._whole(entries) & ((entries[:, 3] & np.uint64(0xFF)) == READY)
                      & (offsets >= low) & (lengths > 0) & (lengths <= high - offsets))
             if ready.any():
-                live = [node for node in range(self.max_nodes)
-                        if self.pool.space.liveness.live(node)]
+                live = self.pool.space.liveness.live_nodes()
                 pins, stamps = self._pins(slots[ready], live)
                 chosen = choose(slots, entries, np.flatnonzero(ready)[pins == 0],
                                 stamps[pins == 0])
@@ -869,6 +868,7 @@ class Index:
                 marked[:, 2] += np.uint64(1)
                 evicted = pins == 0
                 freed = marked[evicted, 4].astype(np.int64).tolist()
+                sizes = marked[evicted, 5].astype(np.int64).tolist()
                 # each payload's owner record, read while its entry still names it: if
                 # the owner (an extent's process, a slab's node) dies, the allocator may
                 # reclaim it once the entry is a tombstone, before the free below, and
@@ -891,8 +891,8 @@ class Index:
             if demote and victims.shape[0]:
                 self._demote(victims)
         finally:
-            for offset, owner in zip(freed, owners):  # the tombstones are in memory (released)
-                self.pool.allocator.free_of(offset, owner)
+            for offset, size, owner in zip(freed, sizes, owners):  # tombstones in memory
+                self.pool.allocator.free_of(offset, owner, size=size)
         if freed:
             self.pool.stats.add(evictions=len(freed))
         return evicted_slots

@@ -24,6 +24,8 @@ import functools
 import os
 import time
 
+import numpy as np
+
 from tract.errors import CorruptionError, LeaseLost
 from tract.lines import LINE
 
@@ -114,6 +116,16 @@ class NodeTable:
                                   f"{state}; expected one of {sorted(_STATES)}")
         return self.region.load_u64(line), self.region.load_u64(line + 8), state
 
+    def standing(self) -> bytes:
+        """Every node's epoch and state, fresh (one batch: R4), as bytes to
+        compare with an earlier look: a change means a node joined, left or
+        rejoined."""
+        size = self.max_nodes * LINE
+        self.region.invalidate(self.offset, size)
+        self.region.fence()
+        table = np.frombuffer(self.region.read(self.offset, size), dtype=np.uint64)
+        return table.reshape(self.max_nodes, LINE // 8)[:, 1:3].tobytes()
+
     def join(self, node: int, stale: bool) -> int:
         """Mark ``node`` alive; bump its epoch when its last incarnation is
         dead or gone (``stale``) or it never joined.  Returns the epoch."""
@@ -163,7 +175,16 @@ class Liveness:
         self._seen: dict[int, tuple[int, int, float]] = {}  # node -> (beat, epoch, since)
 
     def live(self, node: int) -> bool:
-        heartbeat, epoch, state = self.nodes.read(node)
+        return self._judge(node, *self.nodes.read(node))
+
+    def live_nodes(self) -> list[int]:
+        """The nodes `live` now, the table read fresh in one batch (R4)."""
+        nodes = self.nodes
+        nodes.region.invalidate(nodes.offset, nodes.max_nodes * LINE)
+        nodes.region.fence()
+        return [node for node in range(nodes.max_nodes) if self._judge(node, *nodes.decode(node))]
+
+    def _judge(self, node: int, heartbeat: int, epoch: int, state: int) -> bool:
         if state != ALIVE:
             self._seen.pop(node, None)
             return False

@@ -573,7 +573,9 @@ class Pool:
 
     def _beat(self) -> None:
         """Every quarter lease: beat (unless the native `Heartbeat` does,
-        every eighth), publish the counters, drain the free rings, and
+        every eighth), publish the counters, drain the free rings (and every
+        4 leases take back the blocks of adopted slabs that nothing
+        references, `Allocator.reclaim_dead_blocks`), and
         sweep each cohort lock: give back the
         tier-2 hold of a local process that died holding tier 1 (when no
         other local process takes that lock again, nothing else would), and a
@@ -582,12 +584,16 @@ class Pool:
         nodes = NodeTable(self.region, self.header.node_table, self.header.max_nodes)
         cohorting = self._local is not None and self.header.lock_mode_name == "manager"
         seen: dict[int, tuple[int, int, int]] = {}
+        beats = 0
         while not self._stop.wait(self.header.lease_timeout / 4):
+            beats += 1
             if self._heartbeat is None:
                 nodes.beat(self.node)
             self.stats.publish()
             try:
                 self.allocator.drain()
+                if beats % 16 == 0:  # each lock waited for an eighth of a lease at most
+                    self.allocator.reclaim_dead_blocks(self.header.lease_timeout / 8, True)
             except TractError as error:  # a corrupt ring must not stop the heartbeat
                 self.allocator.rejected.append(str(error))
             if cohorting:  # a hand-off that stood still a whole beat is stale

@@ -11,7 +11,9 @@ pool memory at all.
 Layout of the heap region (from ``offset``):
 
     0     the mutex slot (`_lockfast.SLOT_BYTES`)
-    128   header line: magic, chunks, chunk size, min block, classes, epoch
+    128   header line: magic, chunks, chunk size, min block, classes, epoch,
+          then the count of empty slabs (every block free: `trim`'s to give
+          back), kept by every step that changes a slab's free count
     192   class lines: per class the first slab with a free block (chunk + 1)
     256   one record per chunk of the pool: class + 1 (0: not a slab of this
           node), free blocks, next and previous slab of its class with a
@@ -47,6 +49,10 @@ cdef enum:
 HEAP_MAGIC = 0x5041_4548_5443_4152  # "RACTHEAP"
 NOT_MINE = -1  # `free`: the offset is not a block of this node's slabs
 NOT_HELD = -2  # `free` with a holder: that process no longer holds the block
+#: the holder of the blocks of an adopted slab (`add_slab` with a holder):
+#: a gone node's slab that this node took over, each block held until the
+#: reference to it is dropped and the block freed (no process has this pid)
+ADOPTED = 0xFFFFFFFF
 
 
 cdef class NodeHeap:
@@ -97,6 +103,10 @@ cdef class NodeHeap:
     cdef inline uint32_t _blocks(self, uint32_t cls) noexcept nogil:
         return self.blocks_max >> cls
 
+    cdef inline uint64_t *_empty(self, char *base) noexcept nogil:
+        """The count of empty slabs (header word 6)."""
+        return <uint64_t *>(base + HEADER) + 6
+
     cdef inline void _unlink(self, char *base, uint32_t chunk) noexcept nogil:
         cdef uint32_t *record = self._record(base, chunk)
         cdef uint32_t cls = record[0] - 1
@@ -141,6 +151,7 @@ cdef class NodeHeap:
         cdef uint32_t chunk, block, cls, free
         cdef uint32_t *record
         memset(base + CLASS_LINES, 0, LINE)
+        self._empty(base)[0] = 0
         for chunk in range(self.nchunks):
             record = self._record(base, chunk)
             record[2] = record[3] = 0
@@ -154,6 +165,8 @@ cdef class NodeHeap:
             record[1] = free
             if free:
                 self._link(base, chunk)
+            if free == self._blocks(cls):
+                self._empty(base)[0] += 1
 
     # --------------------------------------------------------------- API
 
@@ -215,6 +228,8 @@ cdef class NodeHeap:
             record = self._record(base, chunk)
             for block in range(self._blocks(cls)):
                 if record[4 + block] == 0:
+                    if record[1] == self._blocks(cls):
+                        self._empty(base)[0] -= 1
                     record[4 + block] = self.pid
                     record[1] -= 1
                     if record[1] == 0:
@@ -245,6 +260,8 @@ cdef class NodeHeap:
             before = filled
             for block in range(blocks):
                 if record[4 + block] == 0:
+                    if record[1] == blocks:
+                        self._empty(base)[0] -= 1
                     record[4 + block] = self.pid
                     record[1] -= 1
                     out[filled] = self.heap_base + <int64_t>chunk * self.chunk_size + block * step
@@ -258,10 +275,12 @@ cdef class NodeHeap:
         self._unlock()
         return filled
 
-    def add_slab(self, uint32_t chunk, int64_t size):
+    def add_slab(self, uint32_t chunk, int64_t size, uint32_t holder=0):
         """Make ``chunk`` (just taken from the global bitmap) a slab of
-        ``size``'s class."""
+        ``size``'s class; with ``holder``, every block held by it (a slab
+        adopted whole, `ADOPTED`: its blocks come free one by one)."""
         cdef char *base = self._base()
+        cdef uint32_t block
         if chunk >= self.nchunks:
             raise ValueError(f"chunk {chunk} is outside 0..{self.nchunks - 1}")
         cls, _ = self.size_class(size)
@@ -272,8 +291,13 @@ cdef class NodeHeap:
                 raise CorruptionError(f"chunk {chunk} is already a slab of this node")
             memset(record, 0, self.record_bytes)
             record[0] = cls + 1
-            record[1] = self._blocks(cls)
-            self._link(base, chunk)
+            if holder:
+                for block in range(self._blocks(cls)):
+                    record[4 + block] = holder
+            else:
+                record[1] = self._blocks(cls)
+                self._link(base, chunk)
+                self._empty(base)[0] += 1
         finally:
             self._unlock()
 
@@ -319,6 +343,8 @@ cdef class NodeHeap:
             record[1] += 1
             if record[1] == 1:
                 self._link(base, <uint32_t>((offset - self.heap_base) // self.chunk_size))
+            if record[1] == self._blocks(record[0] - 1):
+                self._empty(base)[0] += 1
             return self._blocks(record[0] - 1) - record[1]
         finally:
             self._unlock()
@@ -349,6 +375,7 @@ cdef class NodeHeap:
             if record[0] == 0 or record[1] != self._blocks(record[0] - 1):
                 return False
             self._unlink(base, chunk)
+            self._empty(base)[0] -= 1
             record[0] = record[1] = 0
             return True
         finally:
@@ -365,9 +392,35 @@ cdef class NodeHeap:
             if record[0]:
                 if record[1]:
                     self._unlink(base, chunk)
+                if record[0] <= self.nclasses and record[1] == self._blocks(record[0] - 1):
+                    self._empty(base)[0] -= 1
                 memset(record, 0, self.record_bytes)
         finally:
             self._unlock()
+
+    @property
+    def empty_slabs(self):
+        """How many slabs have every block free (read without the mutex: a
+        hint for `trim`, which decides under it)."""
+        return self._empty(self._base())[0]
+
+    def empty_chunks(self):
+        """The chunks of this node's empty slabs (a walk of every record,
+        only when `empty_slabs` says there is one)."""
+        cdef char *base = self._base()
+        cdef uint32_t chunk
+        cdef uint32_t *record
+        found = []
+        self._lock(base)
+        try:
+            for chunk in range(self.nchunks):
+                record = self._record(base, chunk)
+                if record[0] and record[0] <= self.nclasses \
+                        and record[1] == self._blocks(record[0] - 1):
+                    found.append(chunk)
+        finally:
+            self._unlock()
+        return found
 
     def slabs(self):
         """[(chunk, block size, [(block offset, owner pid), ...])] for every
