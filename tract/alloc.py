@@ -968,9 +968,8 @@ class Allocator:
             owner = current  # the block is held (ADOPTED) in its adopter's heap
             if (owner.node, owner.epoch) == (self.node, self.pool.epoch):
                 return self.heap is not None and self.heap.free(offset, ADOPTED) >= 0
-        if not self.dead_owner(owner, False):
-            self._free_remote(owner, offset)  # tagged with its epoch: a next one drops it
-            return True
+        if not self.dead_owner(owner, False) and self._free_remote(owner, offset):
+            return True  # tagged with its epoch: a next incarnation drops it
         if self.heap is None or size is None or size > self.heap.max_size \
                 or not self._adopt(chunk, owner, offset, size, timeout):
             return False
@@ -1103,7 +1102,10 @@ class Allocator:
                 trimmed += 1
         return trimmed
 
-    def _free_remote(self, owner: Owner, offset: int) -> None:
+    def _free_remote(self, owner: Owner, offset: int) -> bool:
+        """Queue the free of ``offset`` on ``owner``'s node's ring; False when
+        that node is gone before its ring has room (its slab is a gone
+        owner's: adopted, or reclaimed with its chunk)."""
         ring = FreeRing(self.region, self.layout, self.node, owner.node)
         backoff = self.pool.space.backoff()
         start, lease = self.pool.clock.now(), self.pool.header.lease_timeout
@@ -1111,11 +1113,11 @@ class Allocator:
             try:  # the turn is taken per try: a wait holding it could stall the node's drains
                 with self.rings.taken(lease):
                     if ring.push(offset, owner.epoch):
-                        return
+                        return True
             except TimeoutError:
                 pass
             if self.dead_owner(owner, False):
-                return  # its slabs go back with its chunks
+                return False
             if self.pool.clock.now() - start > 4 * lease:
                 raise PoolFull(f"free of offset {offset}: node {owner.node}'s free ring from "
                                f"node {self.node} stayed full for {4 * lease} s")

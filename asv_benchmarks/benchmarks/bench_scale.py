@@ -31,3 +31,37 @@ class BakeryLock:
         return measure(nodes, "bakery")["lock"]["cache-control ops"]
 
     track_cache_control_ops.unit = "cache-control ops per acquire + release"
+
+
+class PoolSize:
+    """A store that evicts, per block, on a full pool of each size, as a
+    share of a plain copy of the block (`tract bench scale` runs it up to
+    8 GiB): flat in the pool's size."""
+
+    params = [[64, 256]]
+    param_names = ["pool_mib"]
+    timeout = 300
+
+    def setup(self, pool_mib):
+        import os
+        import uuid
+
+        from tract.pool import Pool
+
+        self.path = f"/dev/shm/tract-asv-size-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        Pool.create(self.path, pool_mib << 20)
+
+    def teardown(self, pool_mib):
+        from tract.pool import Pool
+
+        Pool.destroy(self.path)
+
+    def track_store_per_copy(self, pool_mib):
+        import statistics
+
+        from tract.bench.pool_size import store_evict
+
+        stores, plain = store_evict(self.path, 40)
+        return statistics.median(stores) / statistics.median(plain)
+
+    track_store_per_copy.unit = "plain copies per stored block"

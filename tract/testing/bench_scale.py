@@ -24,6 +24,10 @@ warmed up, does
   every node's ticket by design: its slope, per node, is reported.
 
 Each figure is held to the same count at 2 nodes (ratio 1.0: constant).
+
+Then the pool's size (`tract.bench.pool_size`): a store that evicts, per
+block, against a plain copy, at each size, and another node's stores after
+the node that filled the pool closed or was killed.
 """
 
 from __future__ import annotations
@@ -152,7 +156,15 @@ def measure(nodes: int, mode: str = "manager") -> dict[str, dict[str, float]]:
     return counts
 
 
-def run(quick: bool = False) -> list[Result]:
+def run(quick: bool = False, sizes: bool = True) -> list[Result]:
+    """The counts per rack size on the simulator, then (``sizes``) the
+    pool sizes on real pools (`tract.bench.pool_size`)."""
+    from tract.bench import pool_size
+
+    return _counts(quick) + (pool_size.run(quick) if sizes else [])
+
+
+def _counts(quick: bool) -> list[Result]:
     sizes = (2, 8, 64) if quick else NODE_COUNTS
     measured = {mode: {nodes: measure(nodes, mode) for nodes in sizes}
                 for mode in ("manager", "bakery")}
