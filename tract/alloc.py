@@ -21,7 +21,9 @@ to the Python steps here):
 - free (from any node): check the owner records (R5: a head record whose run
   fits, tails pointing at it), clear the bits, flush, fence, then clear the
   records;
-- reclaim (when a run is not found, and in `fsck --repair`): chunks whose
+- reclaim (when a run is not found and a node's standing changed or a
+  lease passed since the last walk, `Allocator.reclaim`, and in `fsck
+  --repair`; the owner records read in one batch): chunks whose
   owner is dead — a node epoch that is not the node's current one, a node
   that left or whose lease lapsed (R6), or, for extents of a live node on
   this host, a process that is gone — and that nothing references (the
@@ -38,6 +40,17 @@ to the Python steps here):
   names the owner record read while the reference stood
   (`Allocator.payload_owners`, `Allocator.free_of`): memory reclaimed in
   between is not freed again, nor another allocation made in it since.
+
+A block of a gone node's slab (left, lapsed, dead, or a past incarnation of
+this node) is freed by *adopting* the slab (`Allocator._adopt`, under the
+lock, its grant checked: R6): the freeing node's heap lists it with every
+block held (`ADOPTED`), then its owner record names that node and keeps the
+gone owner's tag, so a free that read the old record follows it to the
+adopter.  Each later free of a block of it gives the block to the adopter:
+a gone node's memory flows to the nodes that evict its blocks, one record
+write per chunk.  The blocks no reference named at the adoption (free in the
+gone heap, queued to it) come back by the adopted-block sweep, unreferenced
+at two looks a lease apart (`Allocator.reclaim_dead_blocks`, heartbeat).
 
 A block of another node's slab is freed through a *remote-free ring* from the
 freeing node to the slab's node (one writer per line: the sender writes the
