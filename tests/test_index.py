@@ -611,6 +611,48 @@ def test_the_memory_of_a_node_that_left_flows_to_the_node_that_stores(pool_path,
     assert fsck(pool_path, watch=False)["ok"]
 
 
+def _fill_and_wait(path, ready):
+    with Pool.open(path, 0, manager=True) as pool:
+        rng = np.random.default_rng(12)
+        while not pool.counters().get(0, {}).get("evictions"):
+            _publish(pool, rng.integers(0, 2**63, size=(8, 2), dtype=np.uint64), size=16 << 10)
+        ready.set()
+        time.sleep(600)  # killed here
+
+
+@pytest.mark.multiprocess
+def test_the_memory_of_a_killed_node_flows_once_its_lease_lapses(pool_path):
+    """Node 0 fills the pool and is killed (no leave: it stays ALIVE in the
+    table until its lease lapses).  Node 1's first evictions queue their
+    frees on node 0's ring, which nobody drains; when the ring is full the
+    free waits until node 0 is judged gone, then adopts the slab: every
+    store of node 1 publishes, and its slabs are adopted ones."""
+    from tract.alloc import Owner, adoption_tag
+    _create(pool_path, size=4 << 20, capacity=1024, lease_timeout=0.3)
+    context = multiprocessing.get_context("spawn")
+    ready = context.Event()
+    child = context.Process(target=_fill_and_wait, args=(pool_path, ready), daemon=True)
+    child.start()
+    try:
+        assert ready.wait(60)
+        with Pool.observe(pool_path) as peek:
+            _, gone, _ = peek.nodes.read(0)
+        os.kill(child.pid, 9)
+        child.join(10)
+    finally:
+        if child.is_alive():
+            child.kill()
+    rng = np.random.default_rng(13)
+    with Pool.open(pool_path, 1, manager=True) as pool:
+        for _ in range(40):  # 320 blocks: more than the pool holds (about 250)
+            _, published = _publish(pool, rng.integers(0, 2**63, size=(8, 2), dtype=np.uint64),
+                                    size=16 << 10)
+            assert all(published)
+        tag = adoption_tag(Owner(0, 1, 0, gone, 1))
+        assert _slab_owners(pool).get((1, pool.epoch, tag))
+    assert fsck(pool_path, watch=False)["ok"]
+
+
 def test_a_block_free_when_its_slab_was_adopted_comes_back_two_looks_later(pool_path):
     """Node 0 stores 4 blocks (one slab), removes one (free in its heap)
     and closes.  Node 1 removes a second: it adopts the slab, every block

@@ -15,7 +15,8 @@ and 1 GiB; else up to 8 GiB, as memory allows) node 0 fills the pool, then:
   killed), node 1 opens and stores: its first store's seconds, against
   the pool's lease (after a kill it waits for node 0's lease to lapse, and
   for the lock manager node 0 ran to be taken over), then for a window
-  the share of its stores that cost at most 3 times node 0's median.
+  the share of its stores that cost at most 3 times node 0's median; the
+  seconds of its join and close, each size's against the smallest's.
 """
 
 from __future__ import annotations
@@ -99,10 +100,11 @@ def store_evict(path: str, rounds: int) -> tuple[list[float], list[float]]:
     return stores, plain
 
 
-def after_gone(path: str, how: str, window: float) -> tuple[float, list[float]]:
+def after_gone(path: str, how: str, window: float) -> dict:
     """Node 0 fills the pool in a child process and closes (or is killed);
-    node 1 then stores for ``window`` seconds: (first store's seconds, each
-    store's seconds per block)."""
+    node 1 joins, stores for ``window`` seconds and closes: the seconds of
+    its join, its first store and its close, and each later store's
+    seconds per block (``each``)."""
     from tract.connector import Connector
     from tract.pool import Pool
 
@@ -122,7 +124,10 @@ def after_gone(path: str, how: str, window: float) -> tuple[float, list[float]]:
         layout = _layout()
         blocks = [np.full(layout.block_bytes, 9, np.uint8) for _ in range(BLOCKS)]
         each = []
-        with Pool.open(path, 1, manager=True) as pool:
+        start = time.perf_counter()
+        pool = Pool.open(path, 1, manager=True)
+        joined = time.perf_counter() - start
+        try:
             kv = Connector(pool, layout, timeout=30.0)
             serial, start = 1 << 30, time.perf_counter()
             kv.store(_tokens(serial), blocks)
@@ -133,7 +138,11 @@ def after_gone(path: str, how: str, window: float) -> tuple[float, list[float]]:
                 start = time.perf_counter()
                 kv.store(_tokens(serial), blocks)
                 each.append((time.perf_counter() - start) / BLOCKS)
-        return first, each
+        finally:
+            start = time.perf_counter()
+            pool.close()
+            closed = time.perf_counter() - start
+        return {"join": joined, "first_store": first, "close": closed, "each": each}
     finally:
         if child.is_alive():
             child.kill()
@@ -152,7 +161,7 @@ def run(quick: bool = False) -> list[Result]:
     from tract.pool import Pool
 
     rounds, window = (60, 3.0) if quick else (300, 30.0)
-    results, medians = [], {}
+    results, medians, steps = [], {}, {}
     for size in _sizes(quick):
         path = f"/dev/shm/tract-bench-size-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         Pool.create(path, size * MIB, lease_timeout=LEASE)
@@ -175,14 +184,23 @@ def run(quick: bool = False) -> list[Result]:
             for how in ("close", "kill"):
                 Pool.destroy(path)
                 Pool.create(path, size * MIB, lease_timeout=LEASE)
-                first, each = after_gone(path, how, window)
+                seen = after_gone(path, how, window)
+                each = seen["each"]
                 steady = sum(cost <= 3 * median for cost in each) / max(1, len(each))
                 results += [
-                    Result(f"scale[after_{how},first_store,size={size}MiB]", first, "s", False,
-                           "lease", LEASE),
+                    Result(f"scale[after_{how},first_store,size={size}MiB]",
+                           seen["first_store"], "s", False, "lease", LEASE),
                     Result(f"scale[after_{how},steady_share,size={size}MiB]", steady,
                            f"share of stores at most 3x node 0's p50 in {window:g} s",
                            True)]
+                for step in ("join", "close"):
+                    joins = steps.setdefault((how, step), {})
+                    joins[size] = seen[step]
+                    smallest = min(joins)
+                    results.append(Result(
+                        f"scale[after_{how},{step},size={size}MiB]", seen[step], "s", False,
+                        f"size={smallest}MiB" if size != smallest else None,
+                        joins[smallest] if size != smallest else None))
         finally:
             Pool.destroy(path)
     return results
