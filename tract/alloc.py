@@ -1077,7 +1077,7 @@ class Allocator:
         when their slab was adopted (free in the gone node's heap, or
         queued to it) come back here, off the allocation path (the
         heartbeat's, every few leases), ``timeout`` bounding each lock."""
-        if self.heap is None:
+        if self.heap is None or adopted and not self.heap.adopted_blocks:  # a counter
             return 0
         now, lease = self.pool.clock.now(), self.pool.header.lease_timeout
         looked, seen = self._dead_seen.get(adopted, (float("-inf"), {}))

@@ -13,7 +13,8 @@ Layout of the heap region (from ``offset``):
     0     the mutex slot (`_lockfast.SLOT_BYTES`)
     128   header line: magic, chunks, chunk size, min block, classes, epoch,
           then the count of empty slabs (every block free: `trim`'s to give
-          back), kept by every step that changes a slab's free count
+          back), kept by every step that changes a slab's free count, and
+          the count of blocks held by `ADOPTED` (the adopted-block sweep's)
     192   class lines: per class the first slab with a free block (chunk + 1)
     256   one record per chunk of the pool: class + 1 (0: not a slab of this
           node), free blocks, next and previous slab of its class with a
@@ -52,7 +53,8 @@ NOT_HELD = -2  # `free` with a holder: that process no longer holds the block
 #: the holder of the blocks of an adopted slab (`add_slab` with a holder):
 #: a gone node's slab that this node took over, each block held until the
 #: reference to it is dropped and the block freed (no process has this pid)
-ADOPTED = 0xFFFFFFFF
+cdef uint32_t _ADOPTED = 0xFFFFFFFF
+ADOPTED = _ADOPTED
 
 
 cdef class NodeHeap:
@@ -107,6 +109,10 @@ cdef class NodeHeap:
         """The count of empty slabs (header word 6)."""
         return <uint64_t *>(base + HEADER) + 6
 
+    cdef inline uint64_t *_adopted(self, char *base) noexcept nogil:
+        """The count of blocks held by `ADOPTED` (header word 7)."""
+        return <uint64_t *>(base + HEADER) + 7
+
     cdef inline void _unlink(self, char *base, uint32_t chunk) noexcept nogil:
         cdef uint32_t *record = self._record(base, chunk)
         cdef uint32_t cls = record[0] - 1
@@ -152,6 +158,7 @@ cdef class NodeHeap:
         cdef uint32_t *record
         memset(base + CLASS_LINES, 0, LINE)
         self._empty(base)[0] = 0
+        self._adopted(base)[0] = 0
         for chunk in range(self.nchunks):
             record = self._record(base, chunk)
             record[2] = record[3] = 0
@@ -162,6 +169,7 @@ cdef class NodeHeap:
             free = 0
             for block in range(self._blocks(cls)):
                 free += record[4 + block] == 0
+                self._adopted(base)[0] += record[4 + block] == _ADOPTED
             record[1] = free
             if free:
                 self._link(base, chunk)
@@ -294,6 +302,8 @@ cdef class NodeHeap:
             if holder:
                 for block in range(self._blocks(cls)):
                     record[4 + block] = holder
+                if holder == _ADOPTED:
+                    self._adopted(base)[0] += self._blocks(cls)
             else:
                 record[1] = self._blocks(cls)
                 self._link(base, chunk)
@@ -339,6 +349,8 @@ cdef class NodeHeap:
                 return NOT_HELD
             if record[4 + block] == 0:
                 raise ValueError(f"block at offset {offset} is already free (double free)")
+            if record[4 + block] == _ADOPTED:
+                self._adopted(base)[0] -= 1
             record[4 + block] = 0
             record[1] += 1
             if record[1] == 1:
@@ -384,6 +396,7 @@ cdef class NodeHeap:
     def forget_slab(self, uint32_t chunk):
         """Forget ``chunk`` whatever it holds (it was reclaimed for the pool)."""
         cdef char *base = self._base()
+        cdef uint32_t block
         if chunk >= self.nchunks:
             raise ValueError(f"chunk {chunk} is outside 0..{self.nchunks - 1}")
         self._lock(base)
@@ -392,8 +405,11 @@ cdef class NodeHeap:
             if record[0]:
                 if record[1]:
                     self._unlink(base, chunk)
-                if record[0] <= self.nclasses and record[1] == self._blocks(record[0] - 1):
-                    self._empty(base)[0] -= 1
+                if record[0] <= self.nclasses:
+                    if record[1] == self._blocks(record[0] - 1):
+                        self._empty(base)[0] -= 1
+                    for block in range(self._blocks(record[0] - 1)):
+                        self._adopted(base)[0] -= record[4 + block] == _ADOPTED
                 memset(record, 0, self.record_bytes)
         finally:
             self._unlock()
@@ -403,6 +419,12 @@ cdef class NodeHeap:
         """How many slabs have every block free (read without the mutex: a
         hint for `trim`, which decides under it)."""
         return self._empty(self._base())[0]
+
+    @property
+    def adopted_blocks(self):
+        """How many blocks `ADOPTED` holds (read without the mutex: a hint
+        for the adopted-block sweep, which decides under it)."""
+        return self._adopted(self._base())[0]
 
     def empty_chunks(self):
         """The chunks of this node's empty slabs (a walk of every record,
