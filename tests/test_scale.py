@@ -48,7 +48,7 @@ def _full_pool_counts(size: int) -> dict[str, dict[str, int]]:
     8 more (reserve and publish: each evicts), a lookup of them and an
     eviction of 8."""
     from tract.pool import Pool, format_pool
-    from tract.testing.bench_scale import _counted
+    from tract.testing.bench_scale import counted
     from tract.testing.incoherent import SimPool
 
     pool = SimPool(size, hosts=1, seed=0, chaos=0.0, max_steps=50_000_000)
@@ -66,9 +66,9 @@ def _full_pool_counts(size: int) -> dict[str, dict[str, int]]:
     while not handle.counters().get(0, {}).get("evictions"):
         store()
     keys = []
-    counts = {"store": _counted(pool, 0, lambda: [keys.append(store()) for _ in range(4)])}
-    counts["lookup"] = _counted(pool, 0, lambda: [handle.index.lookup(k) for k in keys])
-    counts["evict"] = _counted(pool, 0, lambda: [handle.index.evict(8) for _ in range(4)])
+    counts = {"store": counted(pool, 0, lambda: [keys.append(store()) for _ in range(4)])}
+    counts["lookup"] = counted(pool, 0, lambda: [handle.index.lookup(k) for k in keys])
+    counts["evict"] = counted(pool, 0, lambda: [handle.index.evict(8) for _ in range(4)])
     return counts
 
 

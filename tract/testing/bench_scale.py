@@ -41,7 +41,7 @@ from tract.pool import Pool, format_pool
 from tract.testing.incoherent import SimPool
 from tract.transfer import KVLayout
 
-__all__ = ["NODE_COUNTS", "measure", "run"]
+__all__ = ["NODE_COUNTS", "counted", "measure", "run"]
 
 NODE_COUNTS = (2, 4, 8, 16, 32, 64)
 LEASE = 30.0  # virtual seconds: every node stays live while node 1 is measured
@@ -63,7 +63,7 @@ def _pool(nodes: int, mode: str) -> SimPool:
     return pool
 
 
-def _counted(pool: SimPool, host: int, action) -> dict[str, int]:
+def counted(pool: SimPool, host: int, action) -> dict[str, int]:
     """Node ``host``'s cache control and lines while ``action()`` runs."""
     region = pool.hosts[host]
     region.trace_start(1 << 20)
@@ -130,20 +130,20 @@ def measure(nodes: int, mode: str = "manager") -> dict[str, dict[str, float]]:
         lock.acquire()
         lock.release()
         keys, blocks = _keys(2), _blocks(2)
-        stored = _counted(pool, 1, lambda: connector.store(keys, blocks))
-        loaded = _counted(pool, 1, lambda: connector.load(keys, outs))
+        stored = counted(pool, 1, lambda: connector.store(keys, blocks))
+        loaded = counted(pool, 1, lambda: connector.load(keys, outs))
         counts["store"] = {name: value / BLOCKS for name, value in stored.items()}
         counts["load"] = {name: value / BLOCKS for name, value in loaded.items()}
         removed = []
-        evicted = _counted(pool, 1, lambda: removed.append(handle.index.remove(keys)))
+        evicted = counted(pool, 1, lambda: removed.append(handle.index.remove(keys)))
         if int(np.count_nonzero(removed[0])) != BLOCKS:
             raise AssertionError(f"{nodes} nodes: removed {removed[0]}, not {BLOCKS} blocks")
         counts["evict"] = {name: value / BLOCKS for name, value in evicted.items()}
-        counts["lock"] = _counted(pool, 1, lambda: (lock.acquire(), lock.release()))
+        counts["lock"] = counted(pool, 1, lambda: (lock.acquire(), lock.release()))
         state["offer"] = True
         wait(lambda: state["ticket"] is not None)
         taken = []
-        counts["take"] = _counted(pool, 1, lambda: taken.append(
+        counts["take"] = counted(pool, 1, lambda: taken.append(
             connector.take(state["ticket"], outs)))
         if taken[0].blocks != BLOCKS:
             raise AssertionError(f"{nodes} nodes: took {taken[0]}, not {BLOCKS} blocks")
