@@ -3,6 +3,10 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tract-installed
+# Compiled modules are kept (in __pycache__, ignored by git): every tier
+# starts hundreds of interpreters (mutants, workers, engines), and without a
+# cache each compiles tract and rewrites its tests' asserts again (~2 s each).
+unexport PYTHONDONTWRITEBYTECODE
 SOURCES := pyproject.toml setup.py $(wildcard tract/_native/*.pyx tract/_native/*.pxd tract/_native/*.h)
 
 .PHONY: sysdeps demo demo-vllm test test-tiers lane-protocol lane-engines mutants mutants-native mutants-full test-fast test-vllm test-lmcache test-sglang test-dynamo \
@@ -49,34 +53,41 @@ demo-vllm: env-vllm
 # two lanes at once, one per core: the protocol lane (pytest's unit and
 # simulated tests, the protocol modules recorded with coverage.py one context
 # per test, then the mutation harness over every protocol module, which
-# selects by that record, the spin model and the native mutants of the
-# allocator's, the handoff's and the index's fast paths: all on the simulator's virtual
-# clock or with no clock at all, so load does not bend them) beside the
-# engine lane (the engines' environments and their tiers: vLLM, LMCache,
-# SGLang, Dynamo; asv once in quick mode; then the multi-process tests, on
-# real time with 5x margins, beside the protocol lane's one process, as
-# `make flake` runs them beside a burned core; then the native mutants of
-# the other sources).  The slow tests run after both, on a quiet machine.
-# pytest prints each tier's 30 slowest tests.
+# selects by that record, the spin model and the native mutants: all on the
+# simulator's virtual clock or with no clock at all, so load does not bend
+# them) beside the engine lane (the engines' environments and their tiers:
+# vLLM, LMCache, SGLang, Dynamo; asv once in quick mode; then the
+# multi-process tests, on real time with 5x margins, beside the protocol
+# lane's one process, as `make flake` runs them beside a burned core; then it
+# shares the mutants the protocol lane has not reached).  The slow tests run
+# after both, on a quiet machine.  pytest prints each tier's 30 slowest tests.
 TIER := $(PYTHON) tests/tiers.py run
 PYTEST := $(PY) -m pytest -q -ra --durations=30
+CLAIMS := out/mutant-claims
 test: $(STAMP) sysdeps
-	@rm -rf out/tiers; status=0; $(MAKE) test-tiers || status=$$?; \
+	@rm -rf out/tiers $(CLAIMS); status=0; $(MAKE) test-tiers || status=$$?; \
 		$(PYTHON) tests/tiers.py report; exit $$status
 
 test-tiers: $(STAMP)
 	$(MAKE) -j2 lane-protocol lane-engines
 	$(TIER) pytest-slow -- $(PYTEST) -m "slow and not sim and not multiprocess"
 
+# The simulated tests run whatever the unit tests' verdict: the engine lane
+# waits for their coverage map, and a record of them (tests/tiers.py wait).
 lane-protocol: $(STAMP)
-	$(TIER) pytest-unit -- $(PYTEST) -m "not sim and not multiprocess and not slow"
+	status=0; $(TIER) pytest-unit -- $(PYTEST) -m "not sim and not multiprocess and not slow" \
+		|| status=$$?; \
 	COVERAGE_FILE=$(CURDIR)/out/sim.coverage $(TIER) pytest-sim -- $(PYTEST) -m "sim" \
-		$$($(PY) -m tract.testing.mutants --coverage-arguments) --cov-context=test --cov-report=
-	$(MAKE) mutants MUTANTS_FROM="--coverage out/sim.coverage"
+		$$($(PY) -m tract.testing.mutants --coverage-arguments) --cov-context=test --cov-report= \
+		|| status=$$?; exit $$status
+	$(MAKE) mutants MUTANTS_FROM="--coverage out/sim.coverage --jobs 1 --share $(CLAIMS)/python"
 	$(MAKE) model
 	$(TIER) mutants-native -- $(PY) -m tract.testing.mutants --kind native --jobs 1 \
-		$(NATIVE_PROTOCOL_LANE)
+		--share $(CLAIMS)/native
 
+# Each lane, once its own tiers are done, takes the mutants the other has not
+# claimed yet (--share): the Python ones, then the native ones, so that the
+# lanes end together.
 lane-engines: $(STAMP)
 	$(MAKE) -j4 env-vllm env-lmcache env-sglang env-dynamo
 	$(MAKE) test-vllm
@@ -85,8 +96,11 @@ lane-engines: $(STAMP)
 	$(MAKE) test-dynamo
 	$(MAKE) asv
 	$(TIER) pytest-multiprocess -- $(PYTEST) -m "multiprocess and not sim"
+	$(PYTHON) tests/tiers.py wait pytest-sim
+	$(TIER) mutants-engines-lane -- $(PY) -m tract.testing.mutants --kind python \
+		--coverage out/sim.coverage --jobs 1 --share $(CLAIMS)/python
 	$(TIER) mutants-native-engines-lane -- $(PY) -m tract.testing.mutants --kind native \
-		--jobs 1 $(NATIVE_ENGINE_LANE)
+		--jobs 1 --share $(CLAIMS)/native
 
 # Each mutant runs only the simulated tests that execute its site (a
 # coverage map of the unmutated suites: in `make test`, the one the
@@ -96,14 +110,7 @@ mutants: $(STAMP)
 	$(TIER) mutants -- $(PY) -m tract.testing.mutants --kind python $(MUTANTS_FROM)
 
 # The native sites (each mutant rebuilds only its own extension, in a scratch
-# copy, and runs its twin tests): no coverage map needed.  In `make test`
-# they end both lanes, split by source so that the lanes end together (the
-# engine lane's tiers leave its core idle for as long as the protocol lane's
-# simulated tests and Python mutants take).
-NATIVE_PROTOCOL_LANE := --module tract/_native/_allocfast.pyx \
-	--module tract/_native/_handofffast.pyx --module tract/_kernels/indexfast.py
-NATIVE_ENGINE_LANE := --module tract/_native/_lockfast.pyx --module tract/_native/_region.pyx \
-	--module tract/_native/_cachectl.h
+# copy, and runs its twin tests): no coverage map needed.
 mutants-native: $(STAMP)
 	$(TIER) mutants-native -- $(PY) -m tract.testing.mutants --kind native --jobs 1
 

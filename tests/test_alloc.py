@@ -6,6 +6,7 @@ Tests marked ``sim`` are the suite the mutation harness runs against every
 mutant of tract.alloc (TRACT_SIM_SEEDS sets the seeds).
 """
 
+import functools
 import multiprocessing
 import os
 import random
@@ -24,14 +25,22 @@ from tract.fsck import _Check, fsck
 from simnodes import heartbeat
 from tract.pool import Pool, format_pool
 from tract.testing.incoherent import CRASHED, LINE, SimPool, SimulationFailure
+from tract.testing.seeds import count, seeds
 
-SEEDS = int(os.environ.get("TRACT_SIM_SEEDS", "200"))
+SEEDS = count()
 SIM_LEASE = 0.004
 
 
 # ----------------------------------------------------------- simulator runs
 
 def _sim_pool(seed, nodes, chaos=0.2, size=128 * 1024, locks=("alloc", "objects")):
+    """A formatted simulated pool that every host sees fresh: a copy of one
+    formatted once per set of arguments (`SimPool.clone`)."""
+    return _formatted(seed, nodes, chaos, size, locks).clone()
+
+
+@functools.lru_cache(maxsize=4)
+def _formatted(seed, nodes, chaos, size, locks):
     pool = SimPool(size, hosts=nodes, seed=seed, chaos=chaos, max_steps=400_000)
     format_pool(pool.hosts[0], max_nodes=nodes, locks=locks, max_locks=len(locks),
                 chunk_size=8192, max_objects=16, index_capacity=64, lock_mode="bakery",
@@ -168,13 +177,13 @@ def run_alloc(seed, nodes=3, rounds=4, chaos=0.2, crash=None):
 
 @pytest.mark.sim
 def test_alloc_and_free_from_any_node_under_every_seed():
-    for seed in range(SEEDS):
+    for seed in seeds(SEEDS):
         run_alloc(seed)
 
 
 @pytest.mark.sim
 def test_a_node_that_crashes_mid_alloc_leaves_a_consistent_reclaimable_pool():
-    for seed in range(SEEDS):
+    for seed in seeds(SEEDS):
         rng = random.Random(seed)
         run_alloc(seed, crash=(rng.randint(1, 2), rng.randint(20, 2000)))
 
@@ -208,7 +217,7 @@ def run_ring(seed, count=40, chaos=0.3):
 
 @pytest.mark.sim
 def test_free_ring_delivers_every_offset_once_under_every_seed():
-    for seed in range(SEEDS):
+    for seed in seeds(SEEDS):
         run_ring(seed)
         if seed < 20:  # no chaos: nothing rescues a line left stale or unflushed
             run_ring(seed, chaos=0.0)
@@ -252,7 +261,7 @@ def run_ring_idle_receiver(seed):
 
 @pytest.mark.sim
 def test_a_drained_ring_shows_its_space_without_another_drain():
-    for seed in range(max(1, SEEDS // 20)):
+    for seed in seeds(max(1, SEEDS // 20)):
         run_ring_idle_receiver(seed)
 
 
@@ -284,12 +293,12 @@ def test_a_crash_at_any_point_leaves_every_taken_chunk_owned():
     """Every crash point of an alloc/free sequence, with queued flushes
     completing early at random (chaos 1.0): a taken chunk always has its
     owner record, so fsck can attribute it."""
-    for seed in range(max(1, SEEDS // 100)):
+    for seed in seeds(max(1, SEEDS // 100)):
         after = 0
         while _crash_run(after, seed):
             after += 1
         assert after > 50
-    for seed in range(max(1, SEEDS // 25)):  # the free path alone, more seeds
+    for seed in seeds(max(1, SEEDS // 25)):  # the free path alone, more seeds
         after = 0
         while _crash_run(after, seed, "free"):
             after += 1

@@ -15,6 +15,7 @@ from tract.fsck import fsck
 from tract.pool import Pool, format_pool
 from tract.testing.incoherent import SimPool, SimulationFailure
 from tract.transfer import KVLayout
+from tract.testing.seeds import count, seeds
 
 from simnodes import heartbeat
 
@@ -298,7 +299,7 @@ def test_cancel_and_close_release_every_pin(pool):
 
 # ----------------------------------------------------------- simulator runs
 
-SEEDS = int(os.environ.get("TRACT_SIM_SEEDS", "200"))
+SEEDS = count()
 SIM_LEASE = 0.004
 TTL = 20 * SIM_LEASE  # ample for a take, even in a chaotic schedule
 SIM_LAYOUT = KVLayout(model="tiny", dtype="uint8", num_layers=2, num_kv_heads=1, head_size=64,
@@ -371,13 +372,13 @@ def run_handoffs(seed, rounds=3, chaos=0.5, cancel=False):
 
 @pytest.mark.sim
 def test_handoffs_between_hosts_deliver_each_request_whole():
-    assert sum(run_handoffs(seed) for seed in range(max(1, SEEDS // 4))) == \
+    assert sum(run_handoffs(seed) for seed in seeds(max(1, SEEDS // 4))) == \
         3 * max(1, SEEDS // 4)
 
 
 @pytest.mark.sim
 def test_a_withdrawn_offer_is_taken_by_no_host():
-    assert sum(run_handoffs(seed, cancel=True) for seed in range(max(1, SEEDS // 8))) == \
+    assert sum(run_handoffs(seed, cancel=True) for seed in seeds(max(1, SEEDS // 8))) == \
         3 * max(1, SEEDS // 8)
 
 

@@ -14,8 +14,9 @@ import pytest
 from tract.errors import BoundsError, CorruptionError
 from tract.testing import mailbox, mutants
 from tract.testing.incoherent import LINE, SimPool, SimulationFailure
+from tract.testing.seeds import count, seeds
 
-SEEDS = int(os.environ.get("TRACT_SIM_SEEDS", "200"))
+SEEDS = count()
 MESSAGES = 6
 SLOTS = 2
 PAYLOAD = 40
@@ -59,7 +60,7 @@ def exercise(protocol, seed: int, chaos: float, packed: bool = False) -> SimPool
 @pytest.mark.sim
 @pytest.mark.parametrize("chaos", [0.0, 0.3], ids=["no-chaos", "chaos"])
 def test_mailbox_holds_under_every_seed(chaos):
-    for seed in range(SEEDS):
+    for seed in seeds(SEEDS):
         exercise(mailbox, seed, chaos)
 
 
@@ -72,7 +73,7 @@ def test_a_flag_read_once_sees_the_last_publication():
     one poll later)."""
     ring = mailbox.Ring(SLOTS, PAYLOAD)
     flag = ring.flag(0)
-    for seed in range(max(1, SEEDS // 20)):
+    for seed in seeds(max(1, SEEDS // 20)):
         pool = SimPool(ring.nbytes, hosts=2, seed=seed, chaos=0.0, max_steps=4000)
         published = []
 
@@ -106,7 +107,7 @@ def _variant(function: str, kind: str):
 
 
 def _first_failing_seed(protocol, packed=False, chaos=0.3):
-    for seed in range(SEEDS):
+    for seed in seeds(SEEDS):
         try:
             exercise(protocol, seed, chaos, packed)
         except SimulationFailure as failure:
@@ -137,7 +138,7 @@ def test_broken_variants_fail_deterministically_for_a_printed_seed(variant):
 def test_packed_layout_is_caught_as_a_lost_update():
     ring = mailbox.Ring(SLOTS, PAYLOAD, packed=True)
     assert ring.flag(0) // LINE == ring.payload(1) // LINE  # shares a line, by design
-    for seed in range(SEEDS):
+    for seed in seeds(SEEDS):
         try:
             exercise(mailbox, seed, 0.3, packed=True)
         except SimulationFailure as failure:
@@ -159,7 +160,7 @@ def test_every_mailbox_mutant_is_killed_in_process():
             continue
         protocol = mutants.mutate(site)
         caught = any(_fails(protocol, seed, chaos) for chaos in (0.0, 0.3)
-                     for seed in range(min(SEEDS, 60)))
+                     for seed in seeds(min(SEEDS, 60)))
         assert caught, f"mutant {site} survived"
 
 
@@ -392,3 +393,78 @@ def test_simulated_host_offers_the_native_region_interface():
         simulated = inspect.signature(getattr(SimHost, name))
         assert list(inspect.signature(native).parameters)[1:] == \
             list(simulated.parameters)[1:], name
+
+
+def _protocol_with_tests(tmp_path, monkeypatch, name, test_source):
+    """A one-function protocol module ``name`` (publish: store, flush, fence)
+    and its simulated test file, registered as a suite of the harness."""
+    (tmp_path / f"{name}.py").write_text(
+        "def publish(region):\n"
+        "    region.store_u64(0, 1)\n"
+        "    region.flush(0, 8)\n"
+        "    region.fence()\n")
+    tests = tmp_path / "tests"
+    tests.mkdir(exist_ok=True)
+    (tests / f"test_{name}.py").write_text(test_source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get(
+        "PYTHONPATH", "")]))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setitem(mutants.SUITES, name, [f"tests/test_{name}.py"])
+
+
+def test_a_killed_mutant_names_its_seed_and_runs_it_first_next_time(tmp_path, monkeypatch):
+    """The seed a mutant's test failed at is reported (tract.testing.seeds),
+    and a run given it walks that seed first, then every other."""
+    visits = tmp_path / "visits"
+    _protocol_with_tests(tmp_path, monkeypatch, "seeded_protocol", (
+        "import pytest\n"
+        "import seeded_protocol\n"
+        "from tract.testing.incoherent import SimPool\n"
+        "from tract.testing.seeds import seeds\n\n"
+        "@pytest.mark.sim\n"
+        "def test_publish_reaches_memory():\n"
+        "    for seed in seeds(6):\n"
+        f"        open({str(visits)!r}, 'a').write(f'{{seed}} ')\n"
+        "        pool = SimPool(64, hosts=1, chaos=0, seed=seed)\n"
+        "        seeded_protocol.publish(pool.hosts[0])\n"
+        "        assert seed < 3 or pool.memory[0] == 1\n"))
+    flush = next(site for site in mutants.sites("seeded_protocol") if site.kind == "flush")
+    test = "tests/test_seeded_protocol.py::test_publish_reaches_memory"
+    assert mutants.run_mutant(flush, "seeded_protocol", tmp_path, 6, tests=[test]) == \
+        f"failed by {test} at seed 3"
+    assert visits.read_text() == "0 1 2 3 "
+    visits.unlink()
+    assert mutants.run_mutant(flush, "seeded_protocol", tmp_path, 6, tests=[test],
+                              first_seed=3).endswith("at seed 3")
+    assert visits.read_text() == "3 "
+    visits.unlink()
+    assert mutants.run_mutant(None, "seeded_protocol", tmp_path, 6, tests=[test],
+                              first_seed=4) == "passed"
+    assert visits.read_text() == "4 0 1 2 3 5 "  # every seed, the first one first
+
+
+def test_runs_sharing_the_mutants_run_each_once(tmp_path, monkeypatch, capsys):
+    """Two runs given one --share directory split the mutants: each runs and
+    reports only those it claimed, and together they run every one once."""
+    _protocol_with_tests(tmp_path, monkeypatch, "shared_protocol", (
+        "import pytest\n"
+        "import shared_protocol\n"
+        "from tract.testing.incoherent import SimPool\n\n"
+        "@pytest.mark.sim\n"
+        "def test_publish_reaches_memory():\n"
+        "    pool = SimPool(64, hosts=1, chaos=0)\n"
+        "    shared_protocol.publish(pool.hosts[0])\n"
+        "    assert pool.memory[0] == 1\n"))
+    arguments = ["--module", "shared_protocol", "--json", "--root", str(tmp_path),
+                 "--seeds", "1", "--share", str(tmp_path / "claims")]
+    reports = []
+    for narrowed in (["--mutation", "delete"], []):  # the first claims the deletions only
+        mutants.main([*arguments, *narrowed])
+        reports.append(json.loads(capsys.readouterr().out))
+    every = mutants.sites("shared_protocol")
+    assert [report["sites"] for report in reports] == \
+        [sum(site.mutation == "delete" for site in every),
+         sum(site.mutation != "delete" for site in every)]
+    assert all(report["killed"] == report["sites"] - len(report["survivors"])
+               for report in reports)

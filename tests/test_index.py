@@ -27,8 +27,9 @@ from tract.fsck import fsck
 from tract.hashing import BlockHasher
 from tract.pool import Pool, format_pool
 from tract.testing.incoherent import CRASHED, LINE, SimPool, SimulationFailure
+from tract.testing.seeds import count, seeds
 
-SEEDS = int(os.environ.get("TRACT_SIM_SEEDS", "200"))
+SEEDS = count()
 SIM_LEASE = 0.004
 
 
@@ -477,7 +478,7 @@ def run_pin_race(seed, rounds=12):
 
 @pytest.mark.sim
 def test_a_pinned_block_is_never_evicted_under_every_seed():
-    for seed in range(max(1, SEEDS // 4)):
+    for seed in seeds(max(1, SEEDS // 4)):
         run_pin_race(seed)
 
 
@@ -517,14 +518,14 @@ def run_recency(seed):
 
 @pytest.mark.sim
 def test_evictors_see_every_nodes_access_stamps():
-    for seed in range(max(1, SEEDS // 50)):
+    for seed in seeds(max(1, SEEDS // 50)):
         run_recency(seed)
 
 
 @pytest.mark.sim
 def test_readers_writers_and_evictors_under_every_seed():
     totals = {"published": 0, "evicted": 0, "hits": 0}
-    for seed in range(SEEDS):
+    for seed in seeds(SEEDS):
         for name, value in run_index(seed).items():
             totals[name] += value
     assert totals["hits"] > SEEDS and totals["evicted"] > SEEDS // 2, totals

@@ -18,8 +18,9 @@ from tract.lock import SLOT_BYTES, Cohort, Lock, grant_check
 from tract.pool import Pool, format_pool
 from tract.testing.incoherent import (LINE, SimMutex, SimNodeLocal, SimPool,
                                      SimulationFailure)
+from tract.testing.seeds import count, seeds
 
-SEEDS = int(os.environ.get("TRACT_SIM_SEEDS", "200"))
+SEEDS = count()
 SIM_LEASE = 0.004  # virtual seconds: 4000 simulated operations
 
 
@@ -106,21 +107,21 @@ def run_counter(seed, mode, nodes=3, rounds=3, chaos=0.2, crash=None):
 @pytest.mark.sim
 @pytest.mark.parametrize("mode", ["bakery", "manager"])
 def test_counter_is_exact_under_every_seed(mode):
-    for seed in range(SEEDS):
+    for seed in seeds(SEEDS):
         run_counter(seed, mode)
 
 
 @pytest.mark.sim
 @pytest.mark.parametrize("mode", ["bakery", "manager"])
 def test_counter_is_exact_without_chaos(mode):
-    for seed in range(max(1, SEEDS // 4)):
+    for seed in seeds(max(1, SEEDS // 4)):
         run_counter(seed, mode, chaos=0.0)
 
 
 @pytest.mark.sim
 @pytest.mark.parametrize("mode", ["bakery", "manager"])
 def test_survivors_proceed_when_a_holder_dies(mode):
-    for seed in range(max(1, SEEDS // 4)):
+    for seed in seeds(max(1, SEEDS // 4)):
         run_counter(seed, mode, crash=(1, 1))
 
 
@@ -343,7 +344,7 @@ def run_cohort(seed, bound=3, rounds=4, chaos=0.2, die=None):
 @pytest.mark.sim
 def test_cohorting_hands_the_grant_over_locally_and_stays_exact():
     handed = 0
-    for seed in range(max(1, SEEDS // 4)):
+    for seed in seeds(max(1, SEEDS // 4)):
         cohorts = run_cohort(seed)
         handed += sum(cohort.taken - cohort.announced for cohort in cohorts.values())
     assert handed > 0  # the local hand-off happened, not only the announced path
@@ -353,7 +354,7 @@ def test_cohorting_hands_the_grant_over_locally_and_stays_exact():
 def test_cohorting_repairs_a_process_that_died_holding_the_lock():
     """The dying process's node-mate finishes first (or not): either it
     repairs, or node 0's heartbeat sweeps the hold back."""
-    for seed in range(max(1, SEEDS // 4)):
+    for seed in seeds(max(1, SEEDS // 4)):
         run_cohort(seed, die=1)
 
 

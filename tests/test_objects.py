@@ -5,7 +5,6 @@ Tests marked ``sim`` are the suite the mutation harness runs against every
 mutant of tract.objects (TRACT_SIM_SEEDS sets the seeds).
 """
 
-import os
 import random
 
 import pytest
@@ -15,8 +14,9 @@ from tract.fsck import fsck
 from tract.objects import RECORD_BYTES
 from tract.pool import Pool, format_pool
 from tract.testing.incoherent import SimPool, SimulationFailure
+from tract.testing.seeds import count, seeds
 
-SEEDS = int(os.environ.get("TRACT_SIM_SEEDS", "200"))
+SEEDS = count()
 SIM_LEASE = 0.004
 NAMES = ("kv/a", "kv/b", "index-root", "c")
 
@@ -87,7 +87,7 @@ def run_objects(seed, rounds=6, chaos=0.3):
 
 @pytest.mark.sim
 def test_readers_see_whole_records_under_every_seed():
-    for seed in range(SEEDS):
+    for seed in seeds(SEEDS):
         run_objects(seed)
 
 

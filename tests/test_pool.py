@@ -12,6 +12,7 @@ from tract.cli import main
 from tract.errors import ConfigError, CorruptionError
 from tract.pool import _F, LAYOUT_VERSION, Pool
 from tract.region import open_region
+from tract.testing.seeds import count, seeds
 
 
 def _create(path, **options):
@@ -212,8 +213,7 @@ def _published(seed, chaos):
 def test_a_pool_is_published_whole_and_unpublished_for_every_host():
     """R3 (`format_pool`: the header, then the magic; `unpublish`) and R4
     (`Header` reads fresh): under every seed, with and without chaos."""
-    seeds = int(os.environ.get("TRACT_SIM_SEEDS", "200"))
-    for seed in range(max(1, seeds // 4)):
+    for seed in seeds(max(1, count() // 4)):
         _published(seed, chaos=0.3 if seed % 2 else 0.0)
 
 

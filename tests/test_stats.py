@@ -7,7 +7,6 @@ mutant of tract.stats (TRACT_SIM_SEEDS sets the seeds).
 """
 
 import multiprocessing
-import os
 
 import numpy as np
 import pytest
@@ -17,8 +16,9 @@ from tract.pool import Pool, format_pool
 from tract.stats import COUNTERS, format_table, metric_name
 from tract.testing.incoherent import SimPool, SimulationFailure
 from tract.transfer import KVLayout
+from tract.testing.seeds import count
 
-SEEDS = int(os.environ.get("TRACT_SIM_SEEDS", "200"))
+SEEDS = count()
 
 
 def run_counts(seed, rounds=5, chaos=0.3):

@@ -2,6 +2,7 @@
 
     python tests/tiers.py run NAME -- COMMAND...   # run it; record its time and exit status
     python tests/tiers.py report                   # print the table; write out/test-times.json
+    python tests/tiers.py wait NAME                # until tier NAME has run; exit with its status
 
 ``run`` exits with the command's status (pytest's 5, "no tests collected",
 counts as a pass: a marker tier may be empty).  ``report`` prints every tier
@@ -59,9 +60,20 @@ def report() -> int:
     return 0
 
 
+def wait(name: str, poll: float = 5.0) -> int:
+    """Wait until tier ``name`` (of the other lane) has been recorded; its
+    status.  The lane that runs it always runs it, passed or failed."""
+    record = RECORDS / f"{name}.json"
+    while not record.exists():
+        time.sleep(poll)
+    return json.loads(record.read_text())["status"]
+
+
 def main(argv: list[str]) -> int:
     if argv[:1] == ["report"]:
         return report()
+    if len(argv) == 2 and argv[0] == "wait":
+        return wait(argv[1])
     if len(argv) >= 3 and argv[0] == "run" and argv[2] == "--":
         return run(argv[1], argv[3:])
     print(__doc__, file=sys.stderr)

@@ -33,18 +33,28 @@ from tract.bench import Result
 
 SOURCES = Path(__file__).resolve().parent.parent / "_native"
 
+#: one extension built in place, as setuptools would build it (the
+#: interpreter's compiler, flags and shared-object options, then
+#: ``optimize``), without setuptools' start-up: Cython, then one compiler run
 BUILD_SCRIPT = """
-import sys
+import os, shlex, subprocess, sys, sysconfig
 import numpy
-from Cython.Build import cythonize
-from setuptools import Extension, setup
-sys.argv = ["setup.py", "-q", "build_ext", "--inplace"]
 name, macros, optimize = {extension!r}, {macros!r}, {optimize!r}
-source = "tract/_native/" + name.rpartition(".")[2] + ".pyx"
-setup(ext_modules=cythonize([Extension(
-    name, [source], include_dirs=["tract/_native", numpy.get_include()],
-    define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION"), *macros],
-    extra_compile_args=[optimize])], language_level=3, quiet=True, force=True))
+stem = "tract/_native/" + name.rpartition(".")[2]
+cython = subprocess.run([sys.executable, "-m", "cython", "-3", "--module-name", name,
+                         "-I", ".", "-I", "tract/_native", stem + ".pyx", "-o", stem + ".c"])
+if cython.returncode:
+    sys.exit(cython.returncode)
+config = sysconfig.get_config_var
+command = [*shlex.split(config("CC")), *shlex.split(config("CFLAGS")),
+           *shlex.split(config("CCSHARED")), optimize,
+           "-I", "tract/_native", "-I", numpy.get_include(),
+           "-I", sysconfig.get_paths()["include"],
+           "-DNPY_NO_DEPRECATED_API=NPY_1_7_API_VERSION",
+           *("-D%s=%s" % macro for macro in macros),
+           stem + ".c", *shlex.split(config("LDSHARED"))[1:], *shlex.split(config("LDFLAGS")),
+           "-o", stem + config("EXT_SUFFIX")]
+sys.exit(subprocess.run(command).returncode)
 """
 
 

@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copy
 import dataclasses
 import random
 import threading
@@ -89,6 +90,7 @@ __all__ = [
 
 _FENCES = {"fence": _region.TRACE_FENCE, "store_fence": _region.TRACE_STORE_FENCE,
            "load_fence": _region.TRACE_LOAD_FENCE}
+_WHOLE = b"\x01" * LINE  # a line's store record when every byte of it was stored
 _SIM_CONTROL = CacheControl("none", "simulated", "simulated", "simulated", "simulated",
                             "simulated", "simulated", "simulated", "simulator")
 
@@ -195,8 +197,10 @@ class SimPool:
         self.hosts = [SimHost(self, index) for index in range(hosts)]
         self.clock = SimClock(self)
         self.slept = 0.0
-        # scheduler state
-        self._baton = threading.Condition()
+        # scheduler state: exactly one simulated thread runs, the one named
+        # `_running`; each other waits on its own turnstile (a lock held
+        # locked), which the thread handing it the turn releases
+        self._turns: dict[int, threading.Lock] = {}
         self._running: int | None = None
         self._alive: list[int] = []
         self._aborting = False
@@ -204,6 +208,27 @@ class SimPool:
         self._wake: dict[int, float] = {}
         self._crash_at: dict[int, int] = {}
         self.crashed: set[int] = set()
+
+    # ------------------------------------------------------------ copies
+
+    def clone(self) -> SimPool:
+        """This pool as it is now, copied whole between runs: memory, each
+        host's cache, marks and queued flushes, the step count and the
+        scheduler's random state.  A run on the copy is the run this pool
+        would make (a test formats once and copies for each crash point)."""
+        if self._running is not None or self._alive:
+            raise RuntimeError("a simulated pool is copied only between runs")
+        return copy.deepcopy(self)
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        del state["_turns"], state["_thread"]  # the scheduler's, made anew for the copy
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._turns = {}
+        self._thread = threading.local()
 
     # ------------------------------------------------------------ running
 
@@ -225,9 +250,7 @@ class SimPool:
         def body(index: int) -> None:
             self._thread.index = index
             self._thread.host = placed[index][0]
-            with self._baton:
-                while self._running != index:
-                    self._baton.wait()
+            self._turns[index].acquire()  # its first turn
             host, function = placed[index]
             try:
                 results[index] = function(self.hosts[host])
@@ -239,21 +262,23 @@ class SimPool:
                 errors.append((index, error))
                 self._aborting = True
             finally:
-                with self._baton:
-                    self._alive.remove(index)
-                    self._running = self._pick() if self._alive else None
-                    self._baton.notify_all()
+                self._alive.remove(index)
+                self._running = self._pick() if self._alive else None
+                if self._running is not None:
+                    self._turns[self._running].release()
 
         self._alive = list(range(len(placed)))
         self._aborting = False
+        self._turns = {index: threading.Lock() for index in self._alive}
+        for turnstile in self._turns.values():
+            turnstile.acquire()
         threads = [threading.Thread(target=body, args=(i,), daemon=True)
                    for i in range(len(placed))]
         for thread in threads:
             thread.start()
         self._wake = {}
-        with self._baton:
-            self._running = self._pick()
-            self._baton.notify_all()
+        self._running = self._pick()
+        self._turns[self._running].release()
         for thread in threads:
             thread.join()
         if errors:
@@ -291,11 +316,9 @@ class SimPool:
             return
         if target == me:
             return
-        with self._baton:
-            self._running = target
-            self._baton.notify_all()
-            while self._running != me:
-                self._baton.wait()
+        self._running = target
+        self._turns[target].release()
+        self._turns[me].acquire()  # until a thread hands the turn back
         if self._aborting:
             raise _Abort()
 
@@ -901,8 +924,8 @@ class SimHost:
 
     def _dirty(self, line: int) -> bool:
         span = slice(line * LINE, (line + 1) * LINE)
-        return bool(self._marked[line]) or not numpy.array_equal(self._cache[span],
-                                                                 self._snapshot[span])
+        return bool(self._marked[line]) or \
+            self._cache[span].tobytes() != self._snapshot[span].tobytes()
 
     def _write_back(self, line: int, queued: tuple[numpy.ndarray, bool] | None = None
                     ) -> None:
@@ -910,7 +933,7 @@ class SimHost:
         as they were when a flush queued it (and whether they were dirty);
         a line stored to since stays dirty in the cache with the later bytes."""
         span = slice(line * LINE, (line + 1) * LINE)
-        if queued is not None and not numpy.array_equal(queued[0], self._cache[span]):
+        if queued is not None and queued[0].tobytes() != self._cache[span].tobytes():
             if not queued[1]:
                 return  # clean when queued: nothing to carry
             later = self._cache[span].copy()
@@ -922,7 +945,7 @@ class SimHost:
         if not self._dirty(line):
             return
         pool = self.pool
-        blind_whole = self._stored[span].all() and not self._read_stale[line]
+        blind_whole = self._stored[span].tobytes() == _WHOLE and not self._read_stale[line]
         if pool.version[line] != self._fetched[line] and not blind_whole:
             memory, mine = pool.memory[span], self._cache[span]
             clobbered = numpy.flatnonzero((memory != self._snapshot[span]) & (mine != memory))
@@ -949,7 +972,7 @@ class SimHost:
 
     def _refetch(self, line: int, queued: tuple[numpy.ndarray, bool] | None = None) -> None:
         span = slice(line * LINE, (line + 1) * LINE)
-        if queued is not None and not numpy.array_equal(queued[0], self._cache[span]):
+        if queued is not None and queued[0].tobytes() != self._cache[span].tobytes():
             self._write_back(line, queued)  # stored to since it was dropped: kept
             return
         self._write_back(line)

@@ -14,7 +14,7 @@ untested — either way a finding.
 
     python -m tract.testing.mutants [--json] [--module M] [--kind K] [--seeds N]
                                     [--jobs J] [--full] [--coverage FILE] [--moves]
-                                    [--mutation KIND]
+                                    [--mutation KIND] [--share DIR] [--record]
     python -m tract.testing.mutants --coverage-arguments
 
 exits non-zero when any mutant survives (or a run errs), and with ``--json``
@@ -24,12 +24,18 @@ prints ``{"sites": n, "killed": k, "survivors": [{"module", "line", "kind", "mut
 *Selection.*  The unmutated run of each suite is recorded with coverage.py,
 one dynamic context per test, so the harness knows which simulated tests
 execute each site's statement.  A mutant then runs only those tests, the one
-that killed that site last time first (``killers.json`` under
-``${XDG_CACHE_HOME:-~/.cache}/tract/mutants``), and stops at the first
-failure.  A site that no test executes is listed in the report as
-*uncovered* and is still run, against its module's whole suite: it is never
-skipped, and it fails the run if it survives.  ``--full`` runs every mutant
+that killed that site last time first, from the seed it failed at
+(`tract.testing.seeds`; ``killers.json`` under
+``${XDG_CACHE_HOME:-~/.cache}/tract/mutants``, else the record committed in
+``tests/mutant_killers.json``, which ``--record`` rewrites), and stops at the
+first failure.  A mutant its killer no longer kills runs every other seed
+and covering test: the order only saves time.  A site that no test executes
+is listed in the report as *uncovered* and is still run, against its
+module's whole suite: it is never skipped, and it fails the run if it
+survives.  ``--full`` runs every mutant
 against its whole suite, with no selection (``make mutants-full``).
+``--share DIR`` lets several runs split the mutants: each claims a mutant (a
+file in DIR) before running it, and reports the ones it claimed.
 ``--coverage FILE`` takes the map from a run that already measured every
 simulated test this way, at the same seeds (``make test``'s pytest-sim
 tier), instead of running the suites unmutated again.
@@ -109,9 +115,11 @@ import types
 from pathlib import Path
 
 from tract.bench.trace import build_extension
+from tract.testing import seeds as sim_seeds
 
 __all__ = ["EQUIVALENT", "NATIVE_SUITES", "SUITES", "SYNC_CALLS", "Site", "equivalent", "mutate",
-           "native_mutant", "native_sites", "order_sites", "run_mutant", "sites"]
+           "native_mutant", "native_sites", "order_sites", "record_killers", "run_mutant",
+           "site_keys", "sites"]
 
 SYNC_CALLS = ("flush", "invalidate", "writeback", "fence", "store_fence", "load_fence",
               "flush_lines", "invalidate_lines", "self_fence")
@@ -171,7 +179,9 @@ SILENT_TESTS = ["tests/test_instructions.py::test_each_entry_point_emits_its_ins
 SILENT_OPTIMIZE = "-O2"
 BARRIER = '__asm__ volatile("" ::: "memory")'
 
-SEEDS_ENV = "TRACT_SIM_SEEDS"
+SEEDS_ENV = sim_seeds.COUNT_ENV
+#: mutant runs the report lists as the slowest, with their times
+SLOWEST = 12
 
 
 @dataclasses.dataclass(frozen=True)
@@ -437,8 +447,8 @@ def _overlay(site: Site, directory: Path) -> Path:
     locations = importlib.util.find_spec(top).submodule_search_locations
     if locations:  # a package: copy it whole, extension modules included
         package = Path(locations[0])
-        shutil.copytree(package, directory / top,
-                        ignore=shutil.ignore_patterns("__pycache__", "*.c", "*.html"))
+        shutil.copytree(package, directory / top,  # compiled modules and kernels kept,
+                        ignore=shutil.ignore_patterns("*.c", "*.html"))  # stamped by source
         target = directory / top / Path(path).relative_to(package)
     else:
         target = directory / Path(path).name
@@ -980,23 +990,77 @@ def _killers_file() -> Path:
     return Path(base) / "tract" / "mutants" / "killers.json"
 
 
-def _site_key(site: Site) -> str:
-    mutation = "" if site.mutation == "delete" else f":{site.mutation}"
-    detail = f":{site.detail}" if site.detail else ""
-    return f"{site.module}:{site.function}:{site.kind}:{site.line}{mutation}{detail}"
+#: the killer of each site as last recorded, in the repository (a clean
+#: clone runs each mutant's killer first too); the user's cache overrides it
+KILLERS_RECORD = "tests/mutant_killers.json"
+
+
+#: the outcome of a mutant another run (``--share``) claimed first
+ELSEWHERE = "claimed by another run"
+
+
+def _claim(directory: Path, key: str) -> bool:
+    """Whether this run claimed the mutant ``key`` in ``directory`` (one
+    file per mutant, created exclusively: exactly one run gets each)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    name = hashlib.sha256(key.encode()).hexdigest()[:32]
+    try:
+        os.close(os.open(directory / name, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+    except FileExistsError:
+        return False
+    return True
+
+
+def _killer(recorded) -> tuple[str | None, int | None]:
+    """A recorded killer: its test, and the seed it failed at when known."""
+    if isinstance(recorded, list):
+        return recorded[0], recorded[1]
+    return recorded, None
+
+
+def site_keys(every: list[Site]) -> list[str]:
+    """A key per site that an edit elsewhere in its file keeps: module,
+    function, kind, mutation and detail, then the site's rank among the
+    sites of its function that share them (no line number)."""
+    seen: dict[str, int] = {}
+    keys = []
+    for site in every:
+        stem = f"{site.module}:{site.function}:{site.kind}:{site.mutation}:{site.detail}"
+        seen[stem] = seen.get(stem, -1) + 1
+        keys.append(f"{stem}:{seen[stem]}")
+    return keys
+
+
+def record_killers(root: Path, keys: list[str], killers: dict[str, str]) -> None:
+    """Write `KILLERS_RECORD` under ``root``: the killer of each of ``keys``
+    known in ``killers``, with the recorded ones of every other site kept."""
+    path = root / KILLERS_RECORD
+    try:
+        recorded = json.loads(path.read_text())
+    except (OSError, ValueError):
+        recorded = {}
+    recorded.update({key: killers[key] for key in keys if key in killers})
+    path.write_text(json.dumps(recorded, indent=1, sort_keys=True) + "\n")
 
 
 def run_mutant(site: Site | None, module: str, root: Path, seeds: int,
-               timeout: float = 900, tests: list[str] | None = None) -> str:
+               timeout: float = 900, tests: list[str] | None = None,
+               first_seed: int | None = None) -> str:
     """Run ``module``'s simulated tests against one mutant (None: the
     unmutated module): ``tests`` (pytest ids, in that order) when given, else
-    the whole suite.  Returns "passed", "failed [by TEST]" or "error: ..."."""
+    the whole suite, each test's seeds from ``first_seed`` on when it has
+    that one (`tract.testing.seeds`).  Returns "passed", "failed [by TEST
+    [at seed N]]" or "error: ..."."""
     env = dict(os.environ, **{SEEDS_ENV: str(seeds)})
+    env.pop(sim_seeds.FIRST_ENV, None)
+    if first_seed is not None:
+        env[sim_seeds.FIRST_ENV] = str(first_seed)
     native = module in NATIVE_SUITES
     arguments = ["-q", "-x", "-rf", "-m", NATIVE_MARKERS if native else "sim",
-                 "-p", "no:cacheprovider",
+                 "-p", "no:cacheprovider", "-p", "tract.testing.seeds",
                  *(tests or (NATIVE_SUITES[module][1] if native else SUITES[module]))]
     with tempfile.TemporaryDirectory(prefix="tract-mutant-") as scratch:
+        env[sim_seeds.REPORT_ENV] = report = os.path.join(scratch, "seeds.jsonl")
         if site is None:
             command = [sys.executable, "-m", "pytest", *arguments]
         elif native:
@@ -1017,6 +1081,10 @@ def run_mutant(site: Site | None, module: str, root: Path, seeds: int,
                                   timeout=timeout)
         except subprocess.TimeoutExpired:
             return "failed"  # a mutant that hangs its tests is caught by them
+        failing = {}
+        if os.path.exists(report):
+            with open(report) as lines:
+                failing = {entry["test"]: entry["seed"] for entry in map(json.loads, lines)}
     if done.returncode == 0:
         return "passed"
     if done.returncode < 0:  # the mutant crashed its tests' process: they noticed it
@@ -1024,7 +1092,9 @@ def run_mutant(site: Site | None, module: str, root: Path, seeds: int,
     if done.returncode == 1:
         for line in done.stdout.splitlines():
             if line.startswith("FAILED "):
-                return "failed by " + line.split()[1]
+                test = line.split()[1]
+                seed = failing.get(test)
+                return f"failed by {test}" + ("" if seed is None else f" at seed {seed}")
         return "failed"
     return f"error: exit {done.returncode}: {(done.stdout + done.stderr)[-400:]}"
 
@@ -1067,6 +1137,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--coverage-arguments", action="store_true",
                         help="print pytest-cov's arguments that record the map --coverage "
                              "reads (every protocol module, nothing else), and exit")
+    parser.add_argument("--record", action="store_true",
+                        help=f"write each run site's killer to {KILLERS_RECORD} (commit it: "
+                             "a clean clone then runs each killer first)")
+    parser.add_argument("--share", type=Path, metavar="DIR",
+                        help="claim each mutant in DIR before running it: runs given the same "
+                             "DIR split the mutants between them, each reporting its own "
+                             "(make test's two lanes)")
     parser.add_argument("--root", type=Path, default=Path.cwd(),
                         help="repository root holding the tests (default: .)")
     args = parser.parse_args(argv)
@@ -1088,11 +1165,14 @@ def main(argv: list[str] | None = None) -> int:
     suites: dict[tuple[str, ...], list[str]] = {}
     for module in modules:  # tract.lock and tract.lease share one suite
         suites.setdefault(tuple(SUITES[module]), []).append(module)
+    keys = site_keys(every)
     killers_file = _killers_file()
-    try:
-        killers = json.loads(killers_file.read_text())
-    except (OSError, ValueError):
-        killers = {}
+    killers = {}
+    for source in (args.root / KILLERS_RECORD, killers_file):  # the cache last: it wins
+        try:
+            killers.update(json.loads(source.read_text()))
+        except (OSError, ValueError):
+            pass
     uncovered: list[dict] = []
     errors: list[dict] = []
     with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as pool:
@@ -1114,12 +1194,14 @@ def main(argv: list[str] | None = None) -> int:
             for future in unmutated.values():
                 lines.update(future.result()[1])
         selections: list[list[str] | None] = []
-        for site in every:
+        firsts: list[int | None] = []
+        for site, key in zip(every, keys):
+            first, seed = _killer(killers.get(key))
+            firsts.append(seed)
             if site.mutation == "silent":  # only the machine code shows it
                 selections.append(SILENT_TESTS)
                 continue
             if site.module in NATIVE_SUITES:  # no coverage of native code: the twin suite
-                first = killers.get(_site_key(site))
                 selections.append([first, *NATIVE_SUITES[site.module][1]] if first and
                                   not args.full else None)
                 continue
@@ -1133,22 +1215,45 @@ def main(argv: list[str] | None = None) -> int:
                 uncovered.append(site.as_dict())
                 selections.append(None)  # never skipped: the whole suite
                 continue
-            first = killers.get(_site_key(site))
             selections.append(sorted(covering, key=lambda test: (test != first, test)))
-        outcomes = list(pool.map(
-            lambda item: run_mutant(item[0], item[0].module, args.root, args.seeds,
-                                    tests=item[1]), zip(every, selections)))
+
+        def timed(item) -> tuple[str, float]:
+            if args.share and not _claim(args.share, item[3]):
+                return ELSEWHERE, 0.0
+            start = time.monotonic()
+            outcome = run_mutant(item[0], item[0].module, args.root, args.seeds,
+                                 tests=item[1], first_seed=item[2])
+            return outcome, time.monotonic() - start
+
+        outcomes, seconds = zip(*pool.map(timed, zip(every, selections, firsts, keys))) \
+            if every else ((), ())
+    if args.share:  # the mutants this run claimed, only
+        mine = [index for index, outcome in enumerate(outcomes) if outcome != ELSEWHERE]
+        every, keys = [every[i] for i in mine], [keys[i] for i in mine]
+        outcomes, seconds = [outcomes[i] for i in mine], [seconds[i] for i in mine]
+        uncovered = [site for site in uncovered if site in map(Site.as_dict, every)]
     for suite, future in unmutated.items():
         result = future.result() if args.full else future.result()[0]
         if result != "passed":
             errors.append({"module": suites[suite][0], "mutant": None, "result": result})
-    for site, outcome in zip(every, outcomes):
+    found = {}
+    for key, outcome in zip(keys, outcomes):
         if outcome.startswith("failed by "):
-            killers[_site_key(site)] = outcome.removeprefix("failed by ")
+            test, _, seed = outcome.removeprefix("failed by ").partition(" at seed ")
+            found[key] = [test, int(seed)] if seed else test
+    killers.update(found)
+    if args.record:
+        record_killers(args.root, keys, killers)
     prune_builds()
-    try:
+    try:  # merged into the cache as it is now: a run sharing the mutants writes it too
         killers_file.parent.mkdir(parents=True, exist_ok=True)
-        killers_file.write_text(json.dumps(killers, indent=1, sort_keys=True) + "\n")
+        try:
+            cached = json.loads(killers_file.read_text())
+        except (OSError, ValueError):
+            cached = {}
+        partial = killers_file.with_suffix(f".{os.getpid()}.part")
+        partial.write_text(json.dumps({**cached, **found}, indent=1, sort_keys=True) + "\n")
+        partial.rename(killers_file)
     except OSError:
         pass  # the order is only a speed-up
     survivors = [site.as_dict() for site, outcome in zip(every, outcomes) if outcome == "passed"]
@@ -1158,7 +1263,10 @@ def main(argv: list[str] | None = None) -> int:
     report = {"sites": len(every), "killed": killed, "survivors": survivors,
               "uncovered": uncovered, "equivalent": equivalents,
               "mutations": _tally(every, outcomes),
-              "tests_run": "all" if args.full else "covering"}
+              "tests_run": "all" if args.full else "covering",
+              "slowest": [dict(site.as_dict(), seconds=round(took, 1), result=outcome)
+                          for took, site, outcome in sorted(zip(seconds, every, outcomes),
+                                                            key=lambda x: -x[0])[:SLOWEST]]}
     if errors:
         report["errors"] = errors
     if args.json:
@@ -1170,6 +1278,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{len(uncovered)} sites uncovered, run against their whole suite)")
         for mutation, tally in report["mutations"].items():
             print(f"  {mutation}: {tally['sites']} sites, {tally['killed']} killed")
+        print(f"  {sum(seconds):.0f} s of mutant runs; the slowest:")
+        for slow in report["slowest"]:
+            print(f"    {slow['seconds']:6.1f} s  {slow['module']}:{slow['line']} {slow['kind']} "
+                  f"({slow['mutation']}): {slow['result']}")
         for site in uncovered:
             print(f"  UNCOVERED {site['module']}:{site['line']} {site['kind']} "
                   f"in {site['function']}")
