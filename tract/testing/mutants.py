@@ -56,8 +56,9 @@ those primitives; each build is kept under ``…/tract/mutants/builds``,
 keyed by every native source and the toolchain, so an unchanged mutant is
 not compiled twice); a kernel mutant is a mutated ``.py``.  Each runs its
 native suite (`NATIVE_SUITES`: the twin tests, which hold the fast path to
-its reference by result, bytes and cache-control trace), the test that
-killed it last time first.
+its reference by result, bytes and cache-control trace), after the test
+that killed it last time, alone (a run of its own: pytest runs a file's
+tests in file order, whichever is named first).
 
 *Moves.*  Besides deletions, each fence that follows a statement of its
 block is moved before that statement (a fence before the flush or store it
@@ -1201,9 +1202,10 @@ def main(argv: list[str] | None = None) -> int:
             if site.mutation == "silent":  # only the machine code shows it
                 selections.append(SILENT_TESTS)
                 continue
-            if site.module in NATIVE_SUITES:  # no coverage of native code: the twin suite
-                selections.append([first, *NATIVE_SUITES[site.module][1]] if first and
-                                  not args.full else None)
+            if site.module in NATIVE_SUITES:  # no coverage of native code: the twin suite,
+                # after its last killer alone (pytest runs a file's tests in file order,
+                # even when one of them is named before it)
+                selections.append([first] if first and not args.full else None)
                 continue
             if args.full:
                 selections.append(None)
@@ -1221,8 +1223,12 @@ def main(argv: list[str] | None = None) -> int:
             if args.share and not _claim(args.share, item[3]):
                 return ELSEWHERE, 0.0
             start = time.monotonic()
-            outcome = run_mutant(item[0], item[0].module, args.root, args.seeds,
-                                 tests=item[1], first_seed=item[2])
+            site, tests = item[0], item[1]
+            outcome = run_mutant(site, site.module, args.root, args.seeds, tests=tests,
+                                 first_seed=item[2])
+            if outcome == "passed" and site.module in NATIVE_SUITES and tests is not None \
+                    and site.mutation != "silent":  # its last killer alone: the whole suite
+                outcome = run_mutant(site, site.module, args.root, args.seeds)
             return outcome, time.monotonic() - start
 
         outcomes, seconds = zip(*pool.map(timed, zip(every, selections, firsts, keys))) \
