@@ -414,8 +414,9 @@ def _protocol_with_tests(tmp_path, monkeypatch, name, test_source):
 
 
 def test_a_killed_mutant_names_its_seed_and_runs_it_first_next_time(tmp_path, monkeypatch):
-    """The seed a mutant's test failed at is reported (tract.testing.seeds),
-    and a run given it walks that seed first, then every other."""
+    """The seed a mutant's test failed at is reported with the test's whole
+    id (tract.testing.seeds), and a run given it walks that seed first, then
+    every other."""
     visits = tmp_path / "visits"
     _protocol_with_tests(tmp_path, monkeypatch, "seeded_protocol", (
         "import pytest\n"
@@ -423,14 +424,15 @@ def test_a_killed_mutant_names_its_seed_and_runs_it_first_next_time(tmp_path, mo
         "from tract.testing.incoherent import SimPool\n"
         "from tract.testing.seeds import seeds\n\n"
         "@pytest.mark.sim\n"
-        "def test_publish_reaches_memory():\n"
+        "@pytest.mark.parametrize('case', ['a case'])\n"  # an id with a space in it
+        "def test_publish_reaches_memory(case):\n"
         "    for seed in seeds(6):\n"
         f"        open({str(visits)!r}, 'a').write(f'{{seed}} ')\n"
         "        pool = SimPool(64, hosts=1, chaos=0, seed=seed)\n"
         "        seeded_protocol.publish(pool.hosts[0])\n"
         "        assert seed < 3 or pool.memory[0] == 1\n"))
     flush = next(site for site in mutants.sites("seeded_protocol") if site.kind == "flush")
-    test = "tests/test_seeded_protocol.py::test_publish_reaches_memory"
+    test = "tests/test_seeded_protocol.py::test_publish_reaches_memory[a case]"
     assert mutants.run_mutant(flush, "seeded_protocol", tmp_path, 6, tests=[test]) == \
         f"failed by {test} at seed 3"
     assert visits.read_text() == "0 1 2 3 "

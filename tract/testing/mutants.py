@@ -1082,20 +1082,21 @@ def run_mutant(site: Site | None, module: str, root: Path, seeds: int,
                                   timeout=timeout)
         except subprocess.TimeoutExpired:
             return "failed"  # a mutant that hangs its tests is caught by them
-        failing = {}
+        failing = []  # (test id, seed or None), as the plugin saw them fail
         if os.path.exists(report):
             with open(report) as lines:
-                failing = {entry["test"]: entry["seed"] for entry in map(json.loads, lines)}
+                failing = [(entry["test"], entry["seed"]) for entry in map(json.loads, lines)]
     if done.returncode == 0:
         return "passed"
     if done.returncode < 0:  # the mutant crashed its tests' process: they noticed it
         return f"failed: its tests crashed (signal {-done.returncode})"
     if done.returncode == 1:
+        if failing:  # its id whole (an id may hold spaces: a summary line cannot tell)
+            test, seed = failing[0]
+            return f"failed by {test}" + ("" if seed is None else f" at seed {seed}")
         for line in done.stdout.splitlines():
-            if line.startswith("FAILED "):
-                test = line.split()[1]
-                seed = failing.get(test)
-                return f"failed by {test}" + ("" if seed is None else f" at seed {seed}")
+            if line.startswith("FAILED "):  # failed outside a test's call (a fixture)
+                return "failed by " + line.removeprefix("FAILED ").split(" - ")[0]
         return "failed"
     return f"error: exit {done.returncode}: {(done.stdout + done.stderr)[-400:]}"
 
@@ -1226,8 +1227,9 @@ def main(argv: list[str] | None = None) -> int:
             site, tests = item[0], item[1]
             outcome = run_mutant(site, site.module, args.root, args.seeds, tests=tests,
                                  first_seed=item[2])
-            if outcome == "passed" and site.module in NATIVE_SUITES and tests is not None \
-                    and site.mutation != "silent":  # its last killer alone: the whole suite
+            if not outcome.startswith("failed") and site.module in NATIVE_SUITES and \
+                    tests is not None and site.mutation != "silent":
+                # its last killer alone passed (or is gone: renamed, removed): the whole suite
                 outcome = run_mutant(site, site.module, args.root, args.seeds)
             return outcome, time.monotonic() - start
 

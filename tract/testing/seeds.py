@@ -4,7 +4,7 @@
 `seeds`, which puts ``TRACT_SIM_FIRST_SEED`` first when it is one of them and
 keeps the seed being run in `current`; when a test fails, this module, as a
 pytest plugin (``-p tract.testing.seeds``, which the harness passes), appends
-that test and seed to the file ``TRACT_SIM_SEED_REPORT`` names.  The
+that test's id and seed to the file ``TRACT_SIM_SEED_REPORT`` names.  The
 mutation harness records both for each mutant it kills and runs them first
 next time, so a mutant still killed costs one seed, not the seeds before it.  Every seed still runs when the first passes: the order
 saves time and changes no verdict.
@@ -48,10 +48,10 @@ def seeds(n: int) -> Iterator[int]:
 
 
 def report(test: str) -> None:
-    """Append ``test`` and the seed it failed at to ``TRACT_SIM_SEED_REPORT``
-    (nothing when unset, or when the test was at no seed)."""
+    """Append ``test`` (its whole pytest id) and the seed it failed at (None
+    when it walks no seeds) to ``TRACT_SIM_SEED_REPORT``, when that is set."""
     path = os.environ.get(REPORT_ENV)
-    if path and current is not None:
+    if path:
         with open(path, "a") as out:
             out.write(json.dumps({"test": test, "seed": current}) + "\n")
 
