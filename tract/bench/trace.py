@@ -37,7 +37,7 @@ SOURCES = Path(__file__).resolve().parent.parent / "_native"
 #: interpreter's compiler, flags and shared-object options, then
 #: ``optimize``), without setuptools' start-up: Cython, then one compiler run
 BUILD_SCRIPT = """
-import os, shlex, subprocess, sys, sysconfig
+import shlex, subprocess, sys, sysconfig
 import numpy
 name, macros, optimize = {extension!r}, {macros!r}, {optimize!r}
 stem = "tract/_native/" + name.rpartition(".")[2]

@@ -6,8 +6,9 @@ keeps the seed being run in `current`; when a test fails, this module, as a
 pytest plugin (``-p tract.testing.seeds``, which the harness passes), appends
 that test's id and seed to the file ``TRACT_SIM_SEED_REPORT`` names.  The
 mutation harness records both for each mutant it kills and runs them first
-next time, so a mutant still killed costs one seed, not the seeds before it.  Every seed still runs when the first passes: the order
-saves time and changes no verdict.
+next time, so a mutant still killed costs one seed, not the seeds before it.
+Every seed still runs when the first passes: the order saves time and
+changes no verdict.
 """
 
 from __future__ import annotations
