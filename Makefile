@@ -51,16 +51,16 @@ demo-vllm: env-vllm
 # Every tier, each timed (tests/tiers.py; the table is printed and written
 # to out/test-times.json at the end, whether the run passed or failed), in
 # two lanes at once, one per core: the protocol lane (pytest's unit and
-# simulated tests, the protocol modules recorded with coverage.py one context
-# per test, then the mutation harness over every protocol module, which
-# selects by that record, the spin model and the native mutants: all on the
-# simulator's virtual clock or with no clock at all, so load does not bend
-# them) beside the engine lane (the engines' environments and their tiers:
-# vLLM, LMCache, SGLang, Dynamo; asv once in quick mode; then the
-# multi-process tests, on real time with 5x margins, beside the protocol
-# lane's one process, as `make flake` runs them beside a burned core; then it
-# shares the mutants the protocol lane has not reached).  The slow tests run
-# after both, on a quiet machine.  pytest prints each tier's 30 slowest tests.
+# simulated tests, the map of which simulated tests cover each protocol
+# line, then the mutation harness over every protocol module, which selects
+# by that map, the spin model, asv once in quick mode, the slow native
+# builds and the native mutants: all on the simulator's virtual clock or
+# with no clock at all, so load does not bend them) beside the engine lane
+# (the engines' environments and their tiers: vLLM, LMCache, SGLang, Dynamo;
+# then the multi-process tests, on real time with 5x margins, beside the
+# protocol lane's one process, as `make flake` runs them beside a burned
+# core; then it shares the mutants the protocol lane has not reached).
+# pytest prints each tier's 30 slowest tests.
 TIER := $(PYTHON) tests/tiers.py run
 PYTEST := $(PY) -m pytest -q -ra --durations=30
 CLAIMS := out/mutant-claims
@@ -70,18 +70,24 @@ test: $(STAMP) sysdeps
 
 test-tiers: $(STAMP)
 	$(MAKE) -j2 lane-protocol lane-engines
-	$(TIER) pytest-slow -- $(PYTEST) -m "slow and not sim and not multiprocess"
 
-# The simulated tests run whatever the unit tests' verdict: the engine lane
-# waits for their coverage map, and a record of them (tests/tiers.py wait).
+# The simulated tests run whatever the unit tests' verdict, then the map of
+# which of them cover each protocol line (coverage.py, one context per test,
+# at the harness's COVERAGE_SEEDS): the engine lane waits for that map, and
+# a record of it (tests/tiers.py wait).
+COVERAGE_SEEDS = $$($(PY) -c "from tract.testing.mutants import COVERAGE_SEEDS; print(COVERAGE_SEEDS)")
 lane-protocol: $(STAMP)
 	status=0; $(TIER) pytest-unit -- $(PYTEST) -m "not sim and not multiprocess and not slow" \
 		|| status=$$?; \
-	COVERAGE_FILE=$(CURDIR)/out/sim.coverage $(TIER) pytest-sim -- $(PYTEST) -m "sim" \
+	$(TIER) pytest-sim -- $(PYTEST) -m "sim" || status=$$?; \
+	COVERAGE_FILE=$(CURDIR)/out/sim.coverage TRACT_SIM_SEEDS=$(COVERAGE_SEEDS) \
+		$(TIER) sim-coverage -- $(PY) -m pytest -q -m "sim" -p no:cacheprovider \
 		$$($(PY) -m tract.testing.mutants --coverage-arguments) --cov-context=test --cov-report= \
 		|| status=$$?; exit $$status
 	$(MAKE) mutants MUTANTS_FROM="--coverage out/sim.coverage --jobs 1 --share $(CLAIMS)/python"
 	$(MAKE) model
+	$(MAKE) asv
+	$(TIER) pytest-slow -- $(PYTEST) -m "slow and not sim and not multiprocess"
 	$(TIER) mutants-native -- $(PY) -m tract.testing.mutants --kind native --jobs 1 \
 		--share $(CLAIMS)/native
 
@@ -94,23 +100,22 @@ lane-engines: $(STAMP)
 	$(MAKE) test-lmcache
 	$(MAKE) test-sglang
 	$(MAKE) test-dynamo
-	$(MAKE) asv
 	$(TIER) pytest-multiprocess -- $(PYTEST) -m "multiprocess and not sim"
-	$(PYTHON) tests/tiers.py wait pytest-sim
+	$(PYTHON) tests/tiers.py wait sim-coverage
 	$(TIER) mutants-engines-lane -- $(PY) -m tract.testing.mutants --kind python \
 		--coverage out/sim.coverage --jobs 1 --share $(CLAIMS)/python
 	$(TIER) mutants-native-engines-lane -- $(PY) -m tract.testing.mutants --kind native \
 		--jobs 1 --share $(CLAIMS)/native
 
-# Each mutant runs only the simulated tests that execute its site (a
+# Each mutant runs first the simulated tests that execute its site (a
 # coverage map of the unmutated suites: in `make test`, the one the
-# pytest-sim tier recorded, at the same 200 seeds); mutants-full runs every mutant
-# against its whole suite, for when the selection itself is in doubt.
+# sim-coverage tier recorded), and its whole suite if it survives them;
+# mutants-full runs every mutant against its whole suite, with no order.
 mutants: $(STAMP)
 	$(TIER) mutants -- $(PY) -m tract.testing.mutants --kind python $(MUTANTS_FROM)
 
-# The native sites (each mutant rebuilds only its own extension, in a scratch
-# copy, and runs its twin tests): no coverage map needed.
+# The native sites (a Cython source's mutants share one build of its schema,
+# in a scratch copy, and run its twin tests): no coverage map needed.
 mutants-native: $(STAMP)
 	$(TIER) mutants-native -- $(PY) -m tract.testing.mutants --kind native --jobs 1
 

@@ -470,3 +470,36 @@ def test_runs_sharing_the_mutants_run_each_once(tmp_path, monkeypatch, capsys):
          sum(site.mutation != "delete" for site in every)]
     assert all(report["killed"] == report["sites"] - len(report["survivors"])
                for report in reports)
+
+
+def test_a_mutant_that_survives_its_covering_tests_meets_its_whole_suite(
+        tmp_path, monkeypatch, capsys):
+    """The coverage map is recorded at fewer seeds than the mutants run
+    (COVERAGE_SEEDS): a test that reaches a site only past them is not in
+    its selection, so a survivor of the selection runs the whole suite
+    before it is reported."""
+    late = mutants.COVERAGE_SEEDS
+    _protocol_with_tests(tmp_path, monkeypatch, "late_protocol", (
+        "import pytest\n"
+        "import late_protocol\n"
+        "from tract.testing.incoherent import SimPool\n"
+        "from tract.testing.seeds import count, seeds\n\n"
+        "@pytest.mark.sim\n"
+        "def test_a_publish_that_checks_nothing():\n"
+        "    late_protocol.publish(SimPool(64, hosts=1, chaos=0).hosts[0])\n\n"
+        "@pytest.mark.sim\n"
+        "def test_late_seeds_check_the_publish():\n"
+        "    for seed in seeds(count()):\n"
+        f"        if seed >= {late}:\n"
+        "            pool = SimPool(64, hosts=1, chaos=0, seed=seed)\n"
+        "            late_protocol.publish(pool.hosts[0])\n"
+        "            assert pool.memory[0] == 1\n"))
+    code = mutants.main(["--module", "late_protocol", "--json", "--root", str(tmp_path),
+                         "--seeds", str(late + 1), "--mutation", "delete"])
+    report = json.loads(capsys.readouterr().out)
+    assert report["uncovered"] == []  # the map's selection: the test that checks nothing
+    flush = [site for site in report["slowest"] if site["kind"] == "flush"]
+    assert flush and flush[0]["result"] == \
+        "failed by tests/test_late_protocol.py::test_late_seeds_check_the_publish " \
+        f"at seed {late}"
+    assert code == 0 and report["survivors"] == [] and report["killed"] == report["sites"]

@@ -39,12 +39,13 @@ SOURCES = Path(__file__).resolve().parent.parent / "_native"
 BUILD_SCRIPT = """
 import shlex, subprocess, sys, sysconfig
 import numpy
-name, macros, optimize = {extension!r}, {macros!r}, {optimize!r}
+name, macros, optimize, cythonize = {extension!r}, {macros!r}, {optimize!r}, {cythonize!r}
 stem = "tract/_native/" + name.rpartition(".")[2]
-cython = subprocess.run([sys.executable, "-m", "cython", "-3", "--module-name", name,
-                         "-I", ".", "-I", "tract/_native", stem + ".pyx", "-o", stem + ".c"])
-if cython.returncode:
-    sys.exit(cython.returncode)
+if cythonize:
+    cython = subprocess.run([sys.executable, "-m", "cython", "-3", "--module-name", name,
+                             "-I", ".", "-I", "tract/_native", stem + ".pyx", "-o", stem + ".c"])
+    if cython.returncode:
+        sys.exit(cython.returncode)
 config = sysconfig.get_config_var
 command = [*shlex.split(config("CC")), *shlex.split(config("CFLAGS")),
            *shlex.split(config("CCSHARED")), optimize,
@@ -59,12 +60,14 @@ sys.exit(subprocess.run(command).returncode)
 
 
 def build_extension(root: Path, extension: str, macros: tuple[tuple[str, str], ...] = (),
-                    optimize: str = "-O2") -> str | None:
+                    optimize: str = "-O2", cythonize: bool = True) -> str | None:
     """Build one extension of ``tract._native`` in place under ``root`` (a
     copy of the package's sources at ``root/tract``), with the compiler's
-    ``optimize`` flag (the shipped build's by default).  Returns None, or
+    ``optimize`` flag (the shipped build's by default); with ``cythonize``
+    False, from the C file already beside its ``.pyx``.  Returns None, or
     the build's error output."""
-    script = BUILD_SCRIPT.format(extension=extension, macros=list(macros), optimize=optimize)
+    script = BUILD_SCRIPT.format(extension=extension, macros=list(macros), optimize=optimize,
+                                 cythonize=cythonize)
     done = subprocess.run([sys.executable, "-c", script],
                           cwd=root, capture_output=True, text=True, timeout=600)
     return None if done.returncode == 0 else (done.stdout + done.stderr)[-2000:]

@@ -21,9 +21,10 @@ exits non-zero when any mutant survives (or a run errs), and with ``--json``
 prints ``{"sites": n, "killed": k, "survivors": [{"module", "line", "kind", "mutation"}],
 "mutations": {kind: {"sites", "killed"}}, "equivalent": [...]}``.
 
-*Selection.*  The unmutated run of each suite is recorded with coverage.py,
-one dynamic context per test, so the harness knows which simulated tests
-execute each site's statement.  A mutant then runs only those tests, the one
+*Selection.*  An unmutated run of each suite is recorded with coverage.py,
+one dynamic context per test, at `COVERAGE_SEEDS` seeds (a tenth of the
+runs' 200, with the same tests covering each site), so the harness knows
+which simulated tests execute each site's statement.  A mutant then runs only those tests, the one
 that killed that site last time first, from the seed it failed at
 (`tract.testing.seeds`; ``killers.json`` under
 ``${XDG_CACHE_HOME:-~/.cache}/tract/mutants``, else the record committed in
@@ -32,12 +33,14 @@ first failure.  A mutant its killer no longer kills runs every other seed
 and covering test: the order only saves time.  A site that no test executes
 is listed in the report as *uncovered* and is still run, against its
 module's whole suite: it is never skipped, and it fails the run if it
-survives.  ``--full`` runs every mutant
+survives.  A mutant that survives its covering tests is run against its
+whole suite before it is reported as a survivor: the map, recorded at
+fewer seeds, only orders the work.  ``--full`` runs every mutant
 against its whole suite, with no selection (``make mutants-full``).
 ``--share DIR`` lets several runs split the mutants: each claims a mutant (a
 file in DIR) before running it, and reports the ones it claimed.
 ``--coverage FILE`` takes the map from a run that already measured every
-simulated test this way, at the same seeds (``make test``'s pytest-sim
+simulated test this way (``make test``'s sim-coverage
 tier), instead of running the suites unmutated again.
 
 Protocol modules register their simulated test files in `SUITES`; each
@@ -50,11 +53,15 @@ the fast paths: every call of ``tract_lines``, ``tract_fence``,
 ``tract/_native/_cachectl.h`` that do more than one instruction (the
 streaming and checksummed copies, with their partial-line write-backs), and
 every ``lines`` / ``fence`` call in the kernels of `NATIVE_SUITES`.  A
-``.pyx`` mutant rebuilds only its own extension in the scratch copy,
-unoptimized (`MUTANT_OPTIMIZE`; a header mutant, the extension that uses
-those primitives; each build is kept under ``…/tract/mutants/builds``,
-keyed by every native source and the toolchain, so an unchanged mutant is
-not compiled twice); a kernel mutant is a mutated ``.py``.  Each runs its
+``.pyx`` source's mutants share one build of its schema
+(`tract.testing.schemata`: every mutant in the source at once, each chosen
+at import by ``TRACT_MUTANT``), unoptimized (`MUTANT_OPTIMIZE`); a mutant
+the schema cannot hold, and one that survives or errs in it, is judged on
+a build of its own text before it is reported.  A header mutant rebuilds
+the extension that uses those primitives.  Each build is kept under
+``…/tract/mutants/builds``, keyed by every native source and the
+toolchain, so an unchanged source is not compiled twice.  A kernel mutant
+is a mutated ``.py``.  Each runs its
 native suite (`NATIVE_SUITES`: the twin tests, which hold the fast path to
 its reference by result, bytes and cache-control trace), after the test
 that killed it last time, alone (a run of its own: pytest runs a file's
@@ -100,6 +107,7 @@ import argparse
 import ast
 import concurrent.futures
 import dataclasses
+import fcntl
 import hashlib
 import importlib.util
 import json
@@ -116,6 +124,7 @@ import types
 from pathlib import Path
 
 from tract.bench.trace import build_extension
+from tract.testing import schemata
 from tract.testing import seeds as sim_seeds
 
 __all__ = ["EQUIVALENT", "NATIVE_SUITES", "SUITES", "SYNC_CALLS", "Site", "equivalent", "mutate",
@@ -183,6 +192,10 @@ BARRIER = '__asm__ volatile("" ::: "memory")'
 SEEDS_ENV = sim_seeds.COUNT_ENV
 #: mutant runs the report lists as the slowest, with their times
 SLOWEST = 12
+#: seeds per test of the unmutated runs that map which tests cover a site:
+#: at 20 each site is covered by the same test functions as at 200 (every
+#: protocol site, measured), for a tenth of the time under coverage.py
+COVERAGE_SEEDS = 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -861,10 +874,11 @@ def native_mutant(site: Site) -> str:
     return text[:start] + ("(void)0" if site.module.endswith(".h") else "pass") + text[end:]
 
 
-def _native_overlay(site: Site, directory: Path) -> str | None:
+def _native_overlay(site: Site, directory: Path, text: str | None = None) -> str | None:
     """The package copied under ``directory`` with ``site``'s source
-    mutated and, for native code, its extension rebuilt there.  Returns an
-    error message when the build fails."""
+    mutated (or replaced by ``text``: a schema) and, for native code, its
+    extension rebuilt there.  Returns an error message when the build
+    fails."""
     package = _repository_file("tract")
     shutil.copytree(package, directory / "tract",
                     ignore=shutil.ignore_patterns("__pycache__", "*.c", "*.html"))
@@ -872,7 +886,7 @@ def _native_overlay(site: Site, directory: Path) -> str | None:
     if kernels.is_dir():  # the compiled kernels (their sources' stamps kept): only the
         shutil.copytree(kernels, directory / "tract" / "_kernels" / "__pycache__")  # mutated
         # kernel, whose stamp differs, is compiled again
-    (directory / site.module).write_text(native_mutant(site))
+    (directory / site.module).write_text(native_mutant(site) if text is None else text)
     extension, _ = NATIVE_SUITES[site.module]
     if extension is None:
         return None
@@ -880,21 +894,44 @@ def _native_overlay(site: Site, directory: Path) -> str | None:
                                                sysconfig.get_config_var("EXT_SUFFIX"))
     optimize = SILENT_OPTIMIZE if site.mutation == "silent" else MUTANT_OPTIMIZE
     cached = _builds_dir() / f"{_build_key(directory, extension, optimize)}.so"
-    if cached.exists():  # this very mutant built before (same sources, same toolchain)
-        shutil.copyfile(cached, built)
-        os.utime(cached)
-        return None
-    failed = build_extension(directory, extension, optimize=optimize)
-    if failed:
-        return f"build failed: {failed[-400:]}"
-    try:
+    try:  # one build of a source at a time (a schema's mutants wait for its one build)
         cached.parent.mkdir(parents=True, exist_ok=True)
-        partial = cached.with_suffix(f".{os.getpid()}.{threading.get_ident()}.part")
-        shutil.copyfile(built, partial)
-        partial.rename(cached)
+        lock = open(cached.with_suffix(".lock"), "w")
     except OSError:
-        pass  # the cache is only a speed-up
-    return None
+        lock = None
+    try:
+        if lock is not None:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        if cached.exists():  # this very source built before (same sources, same toolchain)
+            shutil.copyfile(cached, built)
+            os.utime(cached)
+            return None
+        generated = built.parent / (built.name.partition(".")[0] + ".c")
+        translated = _builds_dir() / f"{_build_key(directory, extension, '.c')}.c"
+        reuse = site.module.endswith(".h") and translated.exists()  # a header mutant: the
+        if reuse:  # Cython source is the original's, and so is its C translation
+            shutil.copyfile(translated, generated)
+            os.utime(translated)
+        failed = build_extension(directory, extension, optimize=optimize, cythonize=not reuse)
+        if failed:
+            return f"build failed: {failed[-400:]}"
+        if not site.module.endswith(".pyx") and not reuse:
+            try:
+                partial = translated.with_suffix(f".{os.getpid()}.{threading.get_ident()}.part")
+                shutil.copyfile(generated, partial)
+                partial.rename(translated)
+            except OSError:
+                pass
+        try:
+            partial = cached.with_suffix(f".{os.getpid()}.{threading.get_ident()}.part")
+            shutil.copyfile(built, partial)
+            partial.rename(cached)
+        except OSError:
+            pass  # the cache is only a speed-up
+        return None
+    finally:
+        if lock is not None:
+            lock.close()
 
 
 def _builds_dir() -> Path:
@@ -904,7 +941,8 @@ def _builds_dir() -> Path:
 def _build_key(directory: Path, extension: str, optimize: str) -> str:
     """What a mutant's build depends on: the extension, every native source
     of the overlay (the mutated one among them), the build script and the
-    toolchain (interpreter, Cython, numpy, compiler)."""
+    toolchain (interpreter, Cython, numpy, compiler).  With ``optimize``
+    ".c", what its C translation depends on (the headers left out)."""
     import Cython
     import numpy
 
@@ -915,7 +953,7 @@ def _build_key(directory: Path, extension: str, optimize: str) -> str:
                  sysconfig.get_config_var("CC") or "", trace.BUILD_SCRIPT, optimize):
         digest.update(part.encode() + b"\0")
     for path in sorted((directory / "tract" / "_native").iterdir()):
-        if path.suffix in (".pyx", ".pxd", ".h"):
+        if path.suffix in ((".pyx", ".pxd") if optimize == ".c" else (".pyx", ".pxd", ".h")):
             digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()
 
@@ -923,10 +961,11 @@ def _build_key(directory: Path, extension: str, optimize: str) -> str:
 def prune_builds(days: float = 14.0) -> None:
     """Drop cached mutant builds unused for ``days`` (each hit touches its file)."""
     cutoff = time.time() - days * 86400
-    for path in _builds_dir().glob("*.so"):
+    for path in [*_builds_dir().glob("*.so"), *_builds_dir().glob("*.c")]:
         try:
             if path.stat().st_mtime < cutoff:
                 path.unlink()
+                path.with_suffix(".lock").unlink(missing_ok=True)
         except OSError:
             pass
 
@@ -1046,14 +1085,17 @@ def record_killers(root: Path, keys: list[str], killers: dict[str, str]) -> None
 
 def run_mutant(site: Site | None, module: str, root: Path, seeds: int,
                timeout: float = 900, tests: list[str] | None = None,
-               first_seed: int | None = None) -> str:
+               first_seed: int | None = None,
+               schema: tuple[str, int] | None = None) -> str:
     """Run ``module``'s simulated tests against one mutant (None: the
     unmutated module): ``tests`` (pytest ids, in that order) when given, else
     the whole suite, each test's seeds from ``first_seed`` on when it has
-    that one (`tract.testing.seeds`).  Returns "passed", "failed [by TEST
-    [at seed N]]" or "error: ..."."""
+    that one (`tract.testing.seeds`); a native mutant from ``schema`` (its
+    source's schema and the mutant's number in it) when given.  Returns
+    "passed", "failed [by TEST [at seed N]]" or "error: ..."."""
     env = dict(os.environ, **{SEEDS_ENV: str(seeds)})
     env.pop(sim_seeds.FIRST_ENV, None)
+    env.pop(schemata.ENV, None)
     if first_seed is not None:
         env[sim_seeds.FIRST_ENV] = str(first_seed)
     native = module in NATIVE_SUITES
@@ -1065,7 +1107,9 @@ def run_mutant(site: Site | None, module: str, root: Path, seeds: int,
         if site is None:
             command = [sys.executable, "-m", "pytest", *arguments]
         elif native:
-            failed = _native_overlay(site, Path(scratch))
+            failed = _native_overlay(site, Path(scratch), schema and schema[0])
+            if schema:
+                env[schemata.ENV] = str(schema[1])
             if failed:
                 return f"error: {failed}"
             target = NATIVE_SUITES[module][0] or \
@@ -1101,6 +1145,21 @@ def run_mutant(site: Site | None, module: str, root: Path, seeds: int,
     return f"error: exit {done.returncode}: {(done.stdout + done.stderr)[-400:]}"
 
 
+def _schemas(every: list[Site]) -> list[tuple[str, int] | None]:
+    """Each site's schema and number in it (`tract.testing.schemata`): the
+    Cython sources' mutants, but for the ``silent`` ones (built optimized)
+    and those the schema cannot hold; None for the others."""
+    found: list[tuple[str, int] | None] = [None] * len(every)
+    for source in {site.module for site in every if site.module.endswith(".pyx")}:
+        indices = [index for index, site in enumerate(every)
+                   if site.module == source and site.mutation != "silent"]
+        text, held = schemata.schema(_repository_file(source).read_text(),
+                                     [native_mutant(every[index]) for index in indices])
+        for number in held:
+            found[indices[number]] = (text, number + 1)
+    return found
+
+
 def _tally(every: list[Site], outcomes: list[str]) -> dict[str, dict[str, int]]:
     """Per kind of mutation: its sites and how many were killed."""
     tally: dict[str, dict[str, int]] = {}
@@ -1126,9 +1185,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--full", action="store_true",
                         help="run every mutant against its whole suite (no coverage selection)")
     parser.add_argument("--coverage", type=Path, metavar="FILE",
-                        help="coverage data of a passed run of every simulated test at these "
-                             "seeds, one context per test (make test's pytest-sim tier): the "
-                             "map is read from it instead of running each suite unmutated")
+                        help="coverage data of a passed run of every simulated test, one "
+                             "context per test (make test's sim-coverage tier): the map is "
+                             "read from it instead of running each suite unmutated")
     parser.add_argument("--mutation", action="append",
                         choices=("delete", "move", "late-store", "early-read", "weaken",
                                  "silent"),
@@ -1177,6 +1236,7 @@ def main(argv: list[str] | None = None) -> int:
             pass
     uncovered: list[dict] = []
     errors: list[dict] = []
+    sysconfig.get_config_vars()  # filled once, here: its first filling is not thread-safe
     with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as pool:
         lines: dict[str, dict[int, set[str]]] = {}
         if args.full:
@@ -1190,7 +1250,8 @@ def main(argv: list[str] | None = None) -> int:
                 unmutated[suite].set_result(("passed", covering_tests(
                     args.coverage, members, tuple(str(Path(test)) for test in suite))))
         else:
-            unmutated = {suite: pool.submit(coverage_map, suite, members, args.root, args.seeds)
+            unmutated = {suite: pool.submit(coverage_map, suite, members, args.root,
+                                              min(args.seeds, COVERAGE_SEEDS))
                          for suite, members in suites.items()}
         if not args.full:
             for future in unmutated.values():
@@ -1218,23 +1279,39 @@ def main(argv: list[str] | None = None) -> int:
                 uncovered.append(site.as_dict())
                 selections.append(None)  # never skipped: the whole suite
                 continue
+            if first and first.partition("[")[0] in {test.partition("[")[0] for test in covering}:
+                covering.add(first)  # a seed of a test parametrized by seed, past the map's
             selections.append(sorted(covering, key=lambda test: (test != first, test)))
 
-        def timed(item) -> tuple[str, float]:
-            if args.share and not _claim(args.share, item[3]):
-                return ELSEWHERE, 0.0
-            start = time.monotonic()
-            site, tests = item[0], item[1]
+        schemas = _schemas(every)
+
+        def judged(site: Site, tests: list[str] | None, first: int | None,
+                   schema: tuple[str, int] | None) -> str:
             outcome = run_mutant(site, site.module, args.root, args.seeds, tests=tests,
-                                 first_seed=item[2])
+                                 first_seed=first, schema=schema)
             if not outcome.startswith("failed") and site.module in NATIVE_SUITES and \
                     tests is not None and site.mutation != "silent":
                 # its last killer alone passed (or is gone: renamed, removed): the whole suite
+                outcome = run_mutant(site, site.module, args.root, args.seeds, schema=schema)
+            elif outcome == "passed" and tests is not None and site.module in SUITES:
+                # it survived the tests the map names: the whole suite decides
                 outcome = run_mutant(site, site.module, args.root, args.seeds)
+            return outcome
+
+        def timed(item) -> tuple[str, float]:
+            site, tests, first, key, schema = item
+            if args.share and not _claim(args.share, key):
+                return ELSEWHERE, 0.0
+            start = time.monotonic()
+            outcome = judged(site, tests, first, schema)
+            if schema is not None and not outcome.startswith("failed"):
+                # only a kill is taken from the schema: a survivor, or an error, is
+                # judged again on a build of its own text
+                outcome = judged(site, tests, first, None)
             return outcome, time.monotonic() - start
 
-        outcomes, seconds = zip(*pool.map(timed, zip(every, selections, firsts, keys))) \
-            if every else ((), ())
+        outcomes, seconds = zip(*pool.map(timed, zip(every, selections, firsts, keys,
+                                                     schemas))) if every else ((), ())
     if args.share:  # the mutants this run claimed, only
         mine = [index for index, outcome in enumerate(outcomes) if outcome != ELSEWHERE]
         every, keys = [every[i] for i in mine], [keys[i] for i in mine]
