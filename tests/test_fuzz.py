@@ -11,9 +11,19 @@ import pytest
 from tract.testing import fuzz
 
 
-def test_a_case_changes_only_its_area(tmp_path):
+@pytest.fixture
+def template(tmp_path):
+    """A template pool, destroyed with its node-local files after the test."""
+    from tract.pool import Pool
+
     path = str(tmp_path / "pool")
     fuzz.template(path)
+    yield path
+    Pool.destroy(path)
+
+
+def test_a_case_changes_only_its_area(template):
+    path = template
     where = fuzz.areas(path)
     before = open(path, "rb").read()
     for area in fuzz.AREAS:
@@ -26,11 +36,10 @@ def test_a_case_changes_only_its_area(tmp_path):
         assert changed and start <= changed[0] and changed[-1] < end, area
 
 
-def test_an_unclear_error_is_a_finding(tmp_path, monkeypatch):
+def test_an_unclear_error_is_a_finding(template, monkeypatch):
     from tract.pool import Pool
 
-    path = str(tmp_path / "pool")
-    fuzz.template(path)
+    path = template
 
     def broken(*args, **kwargs):
         raise IndexError("list index out of range")

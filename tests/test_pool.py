@@ -10,7 +10,7 @@ import pytest
 
 from tract.cli import main
 from tract.errors import ConfigError, CorruptionError
-from tract.pool import _F, LAYOUT_VERSION, Pool
+from tract.pool import _F, LAYOUT_VERSION, NodeLocal, Pool
 from tract.region import open_region
 from tract.testing.seeds import count, seeds
 
@@ -247,3 +247,19 @@ def test_a_node_whose_lease_lapsed_allocates_nothing():
         handle.free(kept)  # it may be another's allocation by now
     assert handle.renew()
     handle.free(handle.alloc(3000))
+
+
+def test_destroying_a_pool_with_a_corrupt_header_removes_its_node_local_files(pool_path):
+    """The header's uuid names the node-local files: a header corrupt past
+    its magic still names them, so destroy leaves nothing in /dev/shm."""
+    Pool.create(pool_path, 1 << 20, chunk_size=1 << 16)
+    with Pool.open(pool_path, 0) as pool:
+        local = NodeLocal.path_of(pool.header, 0)
+    assert os.path.exists(local)
+    with open(pool_path, "r+b") as raw:  # the layout version: no longer this build's
+        raw.seek(_F["version"])
+        raw.write((0xDEAD).to_bytes(8, "little"))
+    with pytest.raises(CorruptionError):
+        Pool.open(pool_path, 0)
+    Pool.destroy(pool_path)
+    assert not os.path.exists(pool_path) and not os.path.exists(local)

@@ -420,7 +420,10 @@ class Pool:
 
     @staticmethod
     def destroy(path: str) -> None:
-        """Remove a pool file and the node-local files of every node on this host."""
+        """Remove a pool file and the node-local files of every node on this
+        host.  A pool whose header is corrupt past its magic still names its
+        node-local files by the uuid it holds; a file without the magic is
+        not a pool, and is removed alone."""
         try:
             region = open_region(path)
             try:
@@ -428,7 +431,15 @@ class Pool:
             finally:
                 region.close()
         except (OSError, CorruptionError, ConfigError):
-            pool_uuid = None  # not a readable pool: remove the file alone
+            pool_uuid = None
+            try:
+                with open(path, "rb") as raw:
+                    start = raw.read(_F["uuid"] + 16)
+                if len(start) == _F["uuid"] + 16 and \
+                        int.from_bytes(start[_F["magic"]:_F["magic"] + 8], "little") == MAGIC:
+                    pool_uuid = uuid.UUID(bytes=start[_F["uuid"]:])
+            except OSError:
+                pass
         if pool_uuid is not None:
             for name in os.listdir(_LOCAL_DIR):
                 if name.startswith(f"tract-{pool_uuid.hex}-node") and name.endswith(".local"):

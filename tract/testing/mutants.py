@@ -1122,8 +1122,7 @@ def run_mutant(site: Site | None, module: str, root: Path, seeds: int,
             command = [sys.executable, "-c", _RUNNER.format(
                 overlay=scratch, module=module, arguments=arguments)]
         try:
-            done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True,
-                                  timeout=timeout)
+            done = _run_tests(command, root, env, timeout)
         except subprocess.TimeoutExpired:
             return "failed"  # a mutant that hangs its tests is caught by them
         failing = []  # (test id, seed or None), as the plugin saw them fail
@@ -1143,6 +1142,31 @@ def run_mutant(site: Site | None, module: str, root: Path, seeds: int,
                 return "failed by " + line.removeprefix("FAILED ").split(" - ")[0]
         return "failed"
     return f"error: exit {done.returncode}: {(done.stdout + done.stderr)[-400:]}"
+
+
+def _run_tests(command: list[str], root: Path, env: dict, timeout: float
+               ) -> subprocess.CompletedProcess:
+    """``subprocess.run`` of a mutant's tests, and then the pools its
+    process left in /dev/shm (tests/conftest.py names them by its pid): a
+    mutant that crashes its tests' process skips their teardown."""
+    with subprocess.Popen(command, cwd=root, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True) as child:
+        try:
+            stdout, stderr = child.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.communicate()
+            raise
+        finally:
+            from tract.pool import Pool
+
+            for name in os.listdir("/dev/shm") if os.path.isdir("/dev/shm") else []:
+                if name.startswith(f"tract-test-{child.pid}-"):
+                    try:
+                        Pool.destroy(os.path.join("/dev/shm", name))
+                    except OSError:
+                        pass
+    return subprocess.CompletedProcess(command, child.returncode, stdout, stderr)
 
 
 def _schemas(every: list[Site]) -> list[tuple[str, int] | None]:
