@@ -602,7 +602,10 @@ def warm_up() -> float:
         directory = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
         path = os.path.join(directory, f"tract-warm-up-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         try:
-            Pool.create(path, 16 << 20, max_nodes=2, lock_mode="bakery", index_capacity=64)
+            # a lease no compile outlasts: this pool is this process's alone, and a
+            # kernel compiling holds the GIL, so its heartbeat may stand still for seconds
+            Pool.create(path, 16 << 20, max_nodes=2, lock_mode="bakery", index_capacity=64,
+                        lease_timeout=600)
         except OSError as error:
             log.warning("tract: no scratch pool to compile the kernels on (%s); each is "
                         "compiled at its first call", error)
