@@ -57,14 +57,18 @@ def _continues(line: str) -> bool:
     return word in _CONTINUING
 
 
-def _balanced(lines: list[str]) -> bool:
-    depth = 0
+def _depths(lines: list[str]) -> tuple[int, int]:
+    """(bracket depth at the end of ``lines``, the lowest it reached)."""
+    depth = low = 0
     for line in lines:
         code = line.split("#")[0]
-        depth += sum(code.count(c) for c in "([{") - sum(code.count(c) for c in ")]}")
-        if depth < 0:
-            return False
-    return depth == 0 and not (lines and lines[-1].rstrip().endswith("\\"))
+        depth += sum(map(code.count, "([{")) - sum(map(code.count, ")]}"))
+        low = min(low, depth)
+    return depth, low
+
+
+def _balanced(lines: list[str]) -> bool:
+    return _depths(lines) == (0, 0) and not (lines and lines[-1].rstrip().endswith("\\"))
 
 
 def _widen(lines: list[str], a: int, b: int) -> tuple[int, int] | None:
@@ -77,11 +81,7 @@ def _widen(lines: list[str], a: int, b: int) -> tuple[int, int] | None:
         if a == b:
             return None
         level = _indent(lines[a])
-        depth, low = 0, 0
-        for line in lines[a:b]:
-            code = line.split("#")[0]
-            depth += sum(map(code.count, "([{")) - sum(map(code.count, ")]}"))
-            low = min(low, depth)
+        depth, low = _depths(lines[a:b])
         if low < 0 or a > 0 and lines[a - 1].rstrip().endswith("\\"):
             a -= 1  # a continuation line: take the statement from its first line
             continue
