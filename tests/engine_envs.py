@@ -3,6 +3,7 @@ kept outside the clone, reused by every clone on this machine.
 
     python tests/engine_envs.py path NAME   # the environment's directory (no build)
     python tests/engine_envs.py build NAME  # build it unless complete; print its directory
+    python tests/engine_envs.py kernels NAME  # its kernels' cache name (see below)
     python tests/engine_envs.py clean       # remove every environment
 
 Each environment lives in ``${XDG_CACHE_HOME:-~/.cache}/tract/envs/<NAME>-<key>``,
@@ -12,6 +13,12 @@ the machine.  A change of any of them names a new directory, so a stale
 environment is never used.  The stamp file is written last, so a build that
 died half-way is never reused: the next build removes it and starts again.
 Two builds of the same environment at once wait for each other (a lock file).
+
+The kernels Numba compiles for tract are cached per ``kernels`` name: the
+versions of Python, Numba, llvmlite and NumPy in the environment (read from
+its installed metadata).  Environments that agree on all four share one
+compile; Numba overwrites an index written by another version, so no two
+versions share a directory.
 
 tract itself is not installed: the tiers put the checkout on ``PYTHONPATH``,
 so one environment serves any clone.  Torch comes from this machine's local
@@ -186,14 +193,29 @@ def build(name: str, uv: str) -> Path:
         return target
 
 
+def kernels(name: str) -> str:
+    """The name of the Numba cache ``name``'s environment shares with every
+    environment of the same Python, Numba, llvmlite and NumPy."""
+    versions = []
+    for package in ("numba", "llvmlite", "numpy"):
+        found = sorted(path(name).glob(f"lib/python*/site-packages/{package}-*.dist-info"))
+        if len(found) != 1:
+            raise SystemExit(f"{name}: {len(found)} installations of {package} in {path(name)}")
+        versions.append(found[0].name.removesuffix(".dist-info"))
+    python = found[0].parts[-3]  # lib/pythonX.Y/site-packages
+    return "-".join([python, *versions])
+
+
 def main(argv: list[str]) -> int:
     if argv[:1] == ["clean"]:
         shutil.rmtree(root(), ignore_errors=True)
         print(f"removed {root()}")
         return 0
-    if len(argv) >= 2 and argv[0] in ("path", "build"):
+    if len(argv) >= 2 and argv[0] in ("path", "build", "kernels"):
         if argv[0] == "path":
             print(path(argv[1]))
+        elif argv[0] == "kernels":
+            print(kernels(argv[1]))
         else:
             uv = argv[2] if len(argv) > 2 else shutil.which("uv") or "uv"
             print(build(argv[1], uv))

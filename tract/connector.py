@@ -629,7 +629,7 @@ def _exercise(pool) -> None:
         def blocks(count):
             return [np.full(layout.block_bytes, i, np.uint8) for i in range(count)]
 
-        for dtype in (np.int64, np.int32):  # tokens are either (`tract.hashing`)
+        for dtype in (np.int64, np.int32):  # tokens are either (widened in `tract.hashing`)
             tokens = np.arange(3 * layout.block_size, dtype=dtype)
             connector.store(tokens[:layout.block_size], blocks(1))
             connector.load(tokens[:connector.lookup(tokens)], blocks(3))

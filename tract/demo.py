@@ -961,11 +961,12 @@ def _plots(report: dict, out_dir: str) -> list[str]:
 
 
 EXPERIMENTS = ("workloads", "static")
+SIZES = ("layers", "input_tokens", "output_tokens", "requests")  # a preset's, each overridable
 
 
 def main(quick: bool = False, as_json: bool = False, out_dir: str = "tract-demo-out",
          config: DemoConfig | None = None, load: float | None = None,
-         experiment: str = "workloads") -> int:
+         experiment: str = "workloads", sizes: dict | None = None) -> int:
     if experiment not in EXPERIMENTS:
         raise ConfigError(f"the demo's experiments are {', '.join(EXPERIMENTS)}; got "
                           f"{experiment!r}")
@@ -974,6 +975,19 @@ def main(quick: bool = False, as_json: bool = False, out_dir: str = "tract-demo-
             DemoConfig.quick() if quick else DemoConfig()
     if load is not None:
         config.load = load
+    for name, value in (sizes or {}).items():
+        if name not in SIZES:
+            raise ConfigError(f"the demo's sizes are {', '.join(SIZES)}; got {name!r}")
+        if name == "input_tokens" and config.experiment == "static":
+            raise ConfigError("the static experiment's input lengths are fixed "
+                              f"({', '.join(map(str, config.lengths))} tokens); "
+                              "--input-tokens is the workloads'")
+        if not isinstance(value, int) or value < 1 or \
+                name == "input_tokens" and value < 2 * BLOCK:
+            raise ConfigError(f"the demo's {name.replace('_', ' ')} must be a whole number of "
+                              f"at least {2 * BLOCK if name == 'input_tokens' else 1}, "
+                              f"got {value!r}")
+        setattr(config, name, value)
     if config.output_tokens < 2 or config.requests < 1:
         raise ConfigError("the demo needs at least 2 output tokens and 1 request")
     if not 0 < config.load <= 1:

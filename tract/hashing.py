@@ -68,7 +68,9 @@ def _check_tokens(tokens) -> np.ndarray:
     if not tokens.flags.c_contiguous:
         raise ValueError("tokens must be contiguous in memory (a strided view was given; "
                          "pass np.ascontiguousarray(tokens))")
-    return tokens
+    # the kernels take int64 only: one compiled specialization each (a cold compile
+    # of the fast chain is seconds), and widening costs less than a tenth of hashing
+    return tokens if tokens.dtype == np.int64 else tokens.astype(np.int64)
 
 
 def _check_block_size(block_size: int) -> int:
