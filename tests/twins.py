@@ -302,10 +302,12 @@ def run(region, areas: Sequence[tuple[int, int]], step: Callable[[], object],
             region.fence()
     finally:
         trace = region.trace_stop()
-        for line in stale_lines:  # a line the step left as it was stale: fetched anew
-            if np.array_equal(np.frombuffer(region.read(line, LINE), dtype=np.uint8),
-                              ~memory[line:line + LINE]):
-                region.copy_in(line, memory[line:line + LINE], nontemporal=False)
+        if stale_lines:  # a line the step left as it was stale: fetched anew
+            rows = np.asarray(stale_lines) // LINE
+            now = np.frombuffer(region.read(0, extent), dtype=np.uint8).reshape(-1, LINE)
+            untouched = (now[rows] == ~memory.reshape(-1, LINE)[rows]).all(axis=1)
+            for line in rows[untouched] * LINE:
+                region.copy_in(int(line), memory[line:line + LINE], nontemporal=False)
     if settle:
         assert trace[-1, 0] == TRACE_FENCE, "the settling fence is not the trace's last"
         trace = trace[:-1]
