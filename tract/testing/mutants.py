@@ -8,7 +8,9 @@ depends on a claim (R6; `tract.pool.Pool.self_fence`).  A mutant is the
 module with one site removed (the statement becomes ``pass``).  Each mutant
 runs the module's simulated tests (pytest marker ``sim``) in a fresh
 interpreter that imports the package from a copy holding the mutated
-module, so no module can keep a reference to the original.  A mutant whose
+module, so no module can keep a reference to the original (forked from a
+server that has imported pytest, NumPy and Numba, never tract:
+`tract.testing.forkserver`).  A mutant whose
 tests still pass *survives*, which means that call is either unneeded or
 untested — either way a finding.
 
@@ -105,6 +107,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import atexit
 import concurrent.futures
 import dataclasses
 import fcntl
@@ -124,7 +127,7 @@ import types
 from pathlib import Path
 
 from tract.bench.trace import build_extension
-from tract.testing import schemata
+from tract.testing import forkserver, schemata
 from tract.testing import seeds as sim_seeds
 
 __all__ = ["EQUIVALENT", "NATIVE_SUITES", "SUITES", "SYNC_CALLS", "Site", "equivalent", "mutate",
@@ -1149,6 +1152,11 @@ def _run_tests(command: list[str], root: Path, env: dict, timeout: float
     """``subprocess.run`` of a mutant's tests, and then the pools its
     process left in /dev/shm (tests/conftest.py names them by its pid): a
     mutant that crashes its tests' process skips their teardown."""
+    if command[:2] == [sys.executable, "-c"]:  # forked from a server that imported the rest
+        try:
+            return _forked(command[2], root, env, timeout)
+        except forkserver.Unavailable:
+            pass
     with subprocess.Popen(command, cwd=root, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True) as child:
         try:
@@ -1158,15 +1166,40 @@ def _run_tests(command: list[str], root: Path, env: dict, timeout: float
             child.communicate()
             raise
         finally:
-            from tract.pool import Pool
-
-            for name in os.listdir("/dev/shm") if os.path.isdir("/dev/shm") else []:
-                if name.startswith(f"tract-test-{child.pid}-"):
-                    try:
-                        Pool.destroy(os.path.join("/dev/shm", name))
-                    except OSError:
-                        pass
+            _destroy_pools_of(child.pid)
     return subprocess.CompletedProcess(command, child.returncode, stdout, stderr)
+
+
+# The fork servers of this process's mutant runs (`tract.testing.forkserver`):
+# each run's own variables are the seeds and report files the plugin reads.
+_SERVERS = forkserver.Servers(frozenset({SEEDS_ENV, sim_seeds.FIRST_ENV, sim_seeds.REPORT_ENV,
+                                         schemata.ENV}))
+atexit.register(_SERVERS.close)
+
+
+def _forked(code: str, root: Path, env: dict, timeout: float) -> subprocess.CompletedProcess:
+    pid = None
+    try:
+        done = _SERVERS.run(code, root, env, timeout)
+        pid = done.pid
+        return done
+    except subprocess.TimeoutExpired as expired:
+        pid = expired.pid
+        raise
+    finally:
+        if pid is not None:
+            _destroy_pools_of(pid)
+
+
+def _destroy_pools_of(pid: int) -> None:
+    from tract.pool import Pool
+
+    for name in os.listdir("/dev/shm") if os.path.isdir("/dev/shm") else []:
+        if name.startswith(f"tract-test-{pid}-"):
+            try:
+                Pool.destroy(os.path.join("/dev/shm", name))
+            except OSError:
+                pass
 
 
 def _schemas(every: list[Site]) -> list[tuple[str, int] | None]:
