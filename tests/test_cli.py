@@ -323,12 +323,16 @@ def test_pools_created_with_one_hash_key_make_the_same_keys(tmp_path, capsys):
                       block_size=4)
     tokens = np.arange(16, dtype=np.int64)
     made = []
-    for path in paths:
-        with Pool.open(path, 0) as pool:
-            connector = Connector(pool, layout)
-            made.append((pool.header.hash_key, connector.keys(tokens).tolist(),
-                         connector.transfer.seed))
-            connector.close()
+    try:
+        for path in paths:
+            with Pool.open(path, 0) as pool:
+                connector = Connector(pool, layout)
+                made.append((pool.header.hash_key, connector.keys(tokens).tolist(),
+                             connector.transfer.seed))
+                connector.close()
+    finally:  # with their node-local files in /dev/shm
+        for path in paths:
+            Pool.destroy(path)
     assert made[0] == made[1] and made[0][0] == bytes.fromhex("00112233445566778899aabbccddeeff")
     assert made[2][1] != made[0][1] and made[2][2] != made[0][2]
     key.write_text("0011")
