@@ -1178,6 +1178,8 @@ atexit.register(_SERVERS.close)
 
 
 def _forked(code: str, root: Path, env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """``python -c code`` forked from a server, and then the pools its
+    process left (as `_run_tests`)."""
     pid = None
     try:
         done = _SERVERS.run(code, root, env, timeout)
