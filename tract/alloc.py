@@ -646,13 +646,19 @@ class Allocator:
         _, firsts, inverse = np.unique(records[chunks, :2], axis=0, return_index=True,
                                        return_inverse=True)
         verdicts = np.zeros(firsts.size, dtype=np.bool_)
+        # A record read again that is no longer a head or a slab changed since the walk
+        # read it: only a holder of the alloc lock changes one, so this holder's lease
+        # lapsed and it was overtaken (R6: `lock.check` fences what it would release).
+        # It is not judged (a free record names no node), and the next walk sees it.
         for row, first in enumerate(firsts.tolist()):
             owner = self.owner(int(chunks[first]))
-            verdicts[row] = self.dead_owner(owner, owner.node in local_nodes)
+            verdicts[row] = owner.kind in (HEAD, SLAB) and \
+                self.dead_owner(owner, owner.node in local_nodes)
         dead = []
         for chunk in chunks[verdicts[inverse.reshape(-1)]].tolist():
             owner = self.owner(chunk)
-            dead.append((chunk, owner.run if owner.kind == HEAD else 1, owner))
+            if owner.kind in (HEAD, SLAB):
+                dead.append((chunk, owner.run if owner.kind == HEAD else 1, owner))
         if not dead or not every and {(chunk, owner) for chunk, _, owner in dead} \
                 <= self._dead_referenced:  # the common cases under pressure: no reference scan
             return []

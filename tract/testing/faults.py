@@ -345,7 +345,7 @@ def _worker(path, node, seed, point_name, after, stop, progress, failures, ticke
             if tallies is not None:
                 tallies.put((node, {name: connector.stats[name] for name in CONNECTOR_COUNTS}))
     except BaseException:
-        failures.put(f"node {node}: {traceback.format_exc(limit=6)}")
+        failures.put(f"node {node}: {traceback.format_exc(limit=-8)}")  # the innermost
         raise SystemExit(1)
     finally:
         recorder.close()
