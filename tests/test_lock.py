@@ -636,6 +636,25 @@ def test_the_batch_reads_of_the_node_table_see_each_change_at_their_first_look()
 
 
 @pytest.mark.sim
+def test_a_node_that_stopped_before_an_open_is_gone_a_lease_after_it():
+    """A node killed before another opens: the opener watches every
+    heartbeat from its open, so it judges that node gone one lease later
+    (R6: never sooner), however late its first question comes; and its
+    lock manager shares that view, so the moment the manager may take the
+    dead node's place, the frees and reclaims judge it gone too."""
+    pool = _sim_pool(0, 2, "manager", chaos=0.0)
+    Pool(pool.hosts[0], 0, clock=pool.clock, heartbeat=False, local_locks=False)  # then stops
+    opener = Pool(pool.hosts[1], 1, clock=pool.clock, heartbeat=False, local_locks=False)
+    assert opener.manager().space.liveness is opener.space.liveness
+    lease = opener.header.lease_timeout
+    pool.clock.sleep(0.9 * lease)
+    assert opener.space.liveness.live(0)  # a lease is not over: not judged yet
+    pool.clock.sleep(0.2 * lease)
+    assert not opener.space.liveness.live(0)  # first asked now, watched since the open
+    assert opener.space.liveness.live(1)
+
+
+@pytest.mark.sim
 def test_a_node_that_left_is_skipped_at_once():
     pool = _sim_pool(0, 2, "bakery", chaos=0.0)
     first, second = (Pool(host, node, clock=pool.clock, heartbeat=False, local_locks=False)

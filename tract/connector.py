@@ -77,6 +77,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from tract._kernels import bitmap
 from tract.errors import LeaseLost, LockTimeout, PoolFull
 from tract.handoff import NO_OFFER, HandoffRecords, format_ticket
 from tract.hashing import BlockHasher
@@ -641,6 +642,11 @@ def _exercise(pool) -> None:
         connector.remove(keys[::2])
         pool.free(pool.alloc(1 << 20))
         pool.index.evict(8)
+        # the allocator's bitmap scans, run when the cursor's chunk is taken (a full
+        # pool's, as after a node leaves it), which this empty pool never reaches
+        words = np.zeros(1, np.uint64)
+        bitmap.first_free_run(words, 64, 2, 1)
+        bitmap.count_free(words, 64)
     finally:
         connector.close()
 

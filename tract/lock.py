@@ -146,7 +146,8 @@ class LockSpace:
     layout, its node id, the node table, a clock and its view of leases."""
 
     def __init__(self, region, layout: LockLayout, nodes: NodeTable, node: int,
-                 lease_timeout: float, clock: Clock | None = None):
+                 lease_timeout: float, clock: Clock | None = None,
+                 liveness: Liveness | None = None):
         if not 0 <= node < layout.max_nodes:
             raise ConfigError(f"node {node} is outside 0..{layout.max_nodes - 1}")
         self.region = region
@@ -155,7 +156,9 @@ class LockSpace:
         self.node = node
         self.clock = clock or Clock()
         self.lease_timeout = lease_timeout
-        self.liveness = Liveness(nodes, self.clock, lease_timeout)
+        # one view of the leases per process (`tract.pool.Pool` shares it with its
+        # lock manager): a node the manager judged stale is stale to every step
+        self.liveness = liveness or Liveness(nodes, self.clock, lease_timeout)
         self._last_beat = self.clock.now()
         self.own = None  # this node's `tract.lease.OwnLease`: beats go through it
         self.fencing = None  # the pool's self-fence (`tract.pool.Pool.self_fence`), if on

@@ -50,7 +50,8 @@ from tract._native._lockfast import Heartbeat, ManagerFastPath
 from tract._native._nodeheap import NodeHeap, heap_bytes
 from tract.alloc import OFFSET_BITS, AllocLayout, Allocator, RingTurn, pid_alive
 from tract.errors import ConfigError, CorruptionError, TractError
-from tract.lease import ALIVE, BEATEN, CURRENT, HELD, LEASE_WORDS, Clock, NodeTable, OwnLease
+from tract.lease import (ALIVE, BEATEN, CURRENT, HELD, LEASE_WORDS, Clock, Liveness, NodeTable,
+                         OwnLease)
 from tract.lines import LINE
 from tract.lock import (COHORT_PASSES, LOCK_MODES, SLOT_BYTES, Lock, LockLayout, LockManager,
                         LockSpace, read_manager)
@@ -310,6 +311,10 @@ class Pool:
                 np.zeros(LEASE_WORDS, np.uint64)
             self.own = OwnLease(self.clock, header.lease_timeout, words)
             self.space = self._space()
+            # every node's heartbeat watched from here on (and by the heartbeat
+            # thread every beat): a node that stopped is judged gone a lease after
+            # this look at most, not a lease after a step first asks about it
+            self.space.liveness.live_nodes()
             self.index = Index(self)  # before the join, which clears a past incarnation's pins
             first = self._local.first if self._local is not None else None
             self.epoch = self._join(first) if node is not None else 0
@@ -453,12 +458,12 @@ class Pool:
             return
         os.unlink(path)
 
-    def _space(self) -> LockSpace:
+    def _space(self, liveness: Liveness | None = None) -> LockSpace:
         # an observer's space only judges leases and backs off: it never
         # beats or takes a lock, so the node it names is never written
         node = 0 if self.node is None else self.node
         space = LockSpace(self.region, self.layout, self.nodes, node,
-                          self.header.lease_timeout, self.clock)
+                          self.header.lease_timeout, self.clock, liveness)
         if self.node is not None and self.fencing:  # its waits beat through the own lease
             space.own, space.fencing = self.own, self.self_fence
         return space
@@ -584,7 +589,8 @@ class Pool:
 
     def _beat(self) -> None:
         """Every quarter lease: beat (unless the native `Heartbeat` does,
-        every eighth), publish the counters, drain the free rings (and every
+        every eighth), publish the counters, look at every node's heartbeat
+        (`Liveness.live_nodes`: one batch of the node table), drain the free rings (and every
         4 leases take back the blocks of adopted slabs that nothing
         references, `Allocator.reclaim_dead_blocks`), and
         sweep each cohort lock: give back the
@@ -601,6 +607,7 @@ class Pool:
             if self._heartbeat is None:
                 nodes.beat(self.node)
             self.stats.publish()
+            self.space.liveness.live_nodes()
             try:
                 self.allocator.drain()
                 if beats % 16 == 0:  # each lock waited for an eighth of a lease at most
@@ -632,7 +639,9 @@ class Pool:
     def manager(self) -> LockManager:
         """A lock manager for this node (run it with ``.run(stop_event)``)."""
         local = self._local.mutex(self.header.max_locks) if self._local is not None else None
-        return LockManager(self._space(), self.header.max_locks, local)
+        # the pool's view of the leases: a node its manager judged stale is stale
+        # to this process's frees and reclaims at the same moment
+        return LockManager(self._space(self.space.liveness), self.header.max_locks, local)
 
     def lock(self, name: str) -> Lock:
         """The named lock; use as ``with pool.lock(name):`` or

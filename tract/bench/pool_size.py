@@ -105,7 +105,7 @@ def after_gone(path: str, how: str, window: float) -> dict:
     node 1 joins, stores for ``window`` seconds and closes: the seconds of
     its join, its first store and its close, and each later store's
     seconds per block (``each``)."""
-    from tract.connector import Connector
+    from tract.connector import Connector, warm_up
     from tract.pool import Pool
 
     context = multiprocessing.get_context("spawn")
@@ -124,6 +124,7 @@ def after_gone(path: str, how: str, window: float) -> dict:
         layout = _layout()
         blocks = [np.full(layout.block_bytes, 9, np.uint8) for _ in range(BLOCKS)]
         each = []
+        warm_up()  # as the engine adapters do before they open their pool
         start = time.perf_counter()
         pool = Pool.open(path, 1, manager=True)
         joined = time.perf_counter() - start
