@@ -850,26 +850,32 @@ def _alloc_and_exit(pool_path, sender):
         os._exit(0)  # dies holding the block, as a killed process does
 
 
+def _a_dead_process_block(pool_path) -> tuple[int, int]:
+    """(offset, pid) of a block a process of node 0 took and died holding."""
+    context = multiprocessing.get_context("fork")
+    receiver, sender = context.Pipe(duplex=False)
+    child = context.Process(target=_alloc_and_exit, args=(pool_path, sender))
+    child.start()
+    assert receiver.poll(60)
+    offset = receiver.recv()
+    child.join(60)
+    return offset, child.pid
+
+
 def test_a_dropped_reference_to_a_block_reclaimed_meanwhile_frees_nothing(pool_path):
     """An eviction frees a payload after its tombstone is in memory.  A
     block a killed process of this node held may be reclaimed in between
     (`reclaim_dead_blocks`) and even be given out again: `free_of` then
     frees nothing, neither a double free nor the new holder's block."""
     _create(pool_path)
-    context = multiprocessing.get_context("fork")
     with Pool.open(pool_path, 0, manager=True) as pool:
         allocator = pool.allocator
         kept = pool.alloc(4096)  # the slab stays this node's
-        receiver, sender = context.Pipe(duplex=False)
-        child = context.Process(target=_alloc_and_exit, args=(pool_path, sender))
-        child.start()
-        assert receiver.poll(60)
-        offset = receiver.recv()
-        child.join(60)
+        offset, pid = _a_dead_process_block(pool_path)
         owner, = allocator.payload_owners([offset])  # read while the reference stood
-        assert owner.pid == child.pid
+        assert owner.pid == pid
         # the reclaim gives the dead process's block back, and it is given out again
-        assert allocator.heap.release_blocks([(offset, child.pid)]) == 1
+        assert allocator.heap.release_blocks([(offset, pid)]) == 1
         assert allocator.free_of(offset, owner) is False  # free already
         assert pool.alloc(4096) == offset
         assert allocator.free_of(offset, owner) is False  # another holder's now
@@ -880,6 +886,49 @@ def test_a_dropped_reference_to_a_block_reclaimed_meanwhile_frees_nothing(pool_p
         assert allocator.free_of(kept, *allocator.payload_owners([kept])) is True
         assert allocator.heap.holder(kept) == 0
 
+
+
+class _CountedHeap:
+    """A node heap whose walks (`slabs`) are counted."""
+
+    def __init__(self, heap):
+        self.heap, self.walks = heap, 0
+
+    def slabs(self):
+        self.walks += 1
+        return self.heap.slabs()
+
+    def __getattr__(self, name):
+        return getattr(self.heap, name)
+
+
+def test_the_heap_is_walked_for_dead_blocks_only_after_a_process_or_a_node_changed(pool_path):
+    """`reclaim_dead_blocks` reads every block of the node's heap, and a
+    full pool asks it at each allocation: it walks only when something
+    that can leave a block to a dead process and to no reference changed
+    since a walk that left nothing to wait for (a process of the node
+    came, went or died; a node's lease changed).  A process that dies
+    holding a block it never published is such a change: the next look
+    sees the block, the one a lease later gives it back."""
+    _create(pool_path, lease_timeout=0.3)
+    with Pool.open(pool_path, 0, manager=True) as pool:
+        allocator = pool.allocator
+        heap = allocator.heap = _CountedHeap(allocator.heap)
+        lease = pool.header.lease_timeout
+        pool.alloc(4096)
+        pool.clock.sleep(lease / 3)
+        assert allocator.reclaim_dead_blocks() == 0 and heap.walks == 1  # nothing dead
+        pool.clock.sleep(lease / 3)
+        assert allocator.reclaim_dead_blocks() == 0 and heap.walks == 1  # nothing changed
+        offset, pid = _a_dead_process_block(pool_path)
+        pool.clock.sleep(lease / 3)
+        assert allocator.reclaim_dead_blocks() == 0 and heap.walks == 2  # seen once
+        assert heap.holder(offset) == pid
+        pool.clock.sleep(lease * 1.1)
+        assert allocator.reclaim_dead_blocks() == 1 and heap.walks == 3  # a lease later
+        assert heap.holder(offset) == 0
+        pool.clock.sleep(lease / 3)
+        assert allocator.reclaim_dead_blocks() == 0 and heap.walks == 3
 
 
 def _free_each(path, offsets, done):

@@ -30,7 +30,10 @@ to the Python steps here):
   object directory; the index later) are freed.  A slab chunk is reclaimed
   only with its node; the blocks in a live node's slabs of a process that
   is gone, by that node's own processes, once nothing referenced them at
-  two looks a lease apart (`Allocator.reclaim_dead_blocks`);
+  two looks a lease apart (`Allocator.reclaim_dead_blocks`; a look walks
+  the node's heap only after one of its processes came, went or died, or
+  a node's lease changed: nothing else leaves a block to a dead process
+  and to no reference);
 - fsck (`Allocator.check`, under the lock for ``--repair``): the cursor,
   the bitmap and every owner record read fresh and range-checked, each
   chunk classed free, owned or referenced, extents checked whole; its
@@ -304,8 +307,10 @@ class Finding(typing.NamedTuple):
 class Allocator:
     """One node's allocator over a pool (`Pool.alloc` / `Pool.free`)."""
 
-    def __init__(self, pool, layout: AllocLayout, heap=None, rings: RingTurn | None = None):
+    def __init__(self, pool, layout: AllocLayout, heap=None, rings: RingTurn | None = None,
+                 members: typing.Callable[[], tuple[int, ...]] | None = None):
         self.pool = pool
+        self.members = members  # the pids of the node's processes (its node-local list)
         self.rings = rings or RingTurn()  # this node's turn at its free rings
         self.region = pool.region
         self.layout = layout
@@ -327,6 +332,8 @@ class Allocator:
         # blocks of this node's slabs held by dead processes (of adopted
         # slabs: True): when looked at last, and when each was first seen
         self._dead_seen: dict[bool, tuple[float, dict[tuple[int, int], float]]] = {}
+        # what `_block_standing` was when a walk of the heap left nothing to wait for
+        self._blocks_walked: tuple | None = None
         # the last reclaim walk: when, and every node's standing then (`_reclaim_due`)
         self._walked: tuple[float, bytes | None] = (float("-inf"), None)
         self._dead_referenced: set[tuple[int, Owner]] = set()  # what the last walk left
@@ -1089,6 +1096,9 @@ class Allocator:
         looked, seen = self._dead_seen.get(adopted, (float("-inf"), {}))
         if now - looked < lease / 4:
             return 0
+        standing = None if adopted else self._block_standing()
+        if standing is not None and not seen and standing == self._blocks_walked:
+            return 0  # the heap's walk (its every block) finds nothing new: not run
         blocks = [block for _, _, used in self.heap.slabs() for block in used
                   if block[1] != self.heap.pid and (block[1] == ADOPTED) == adopted]
         alive = {pid: pid_alive(pid) for pid in {pid for _, pid in blocks}}
@@ -1104,11 +1114,27 @@ class Allocator:
         for block in ripe:
             del seen[block]
         self._dead_seen[adopted] = (now, seen)
+        if not adopted:
+            self._blocks_walked = standing if not seen else None
         if not ripe:
             return 0
         freed = self.heap.release_blocks(ripe)
         self.trim(timeout)
         return freed
+
+    def _block_standing(self) -> tuple | None:
+        """What a new block held by a dead process of this node and
+        referenced by nothing comes with: each process of the node and
+        whether it lives (one died holding blocks it had not published, or
+        as an evictor between a reference's drop and its free), and the
+        live nodes (another node's evictor died between the drop and its
+        free-ring push).  A block whose process died and whose reference an
+        eviction drops later is freed by that eviction.  None without the
+        node's process list (each walk then runs)."""
+        if self.members is None:
+            return None
+        return (tuple((pid, pid_alive(pid)) for pid in self.members()),
+                tuple(self.pool.space.liveness.live_nodes()))
 
     def trim(self, timeout: float | None = None) -> int:
         """Give this node's empty slabs back to the pool; returns how many."""

@@ -345,8 +345,10 @@ class Pool:
         self._names = {name: index for index, name in header.lock_names}
         self._locks: dict[str, Lock] = {}
         self._fast_paths: dict[int, ManagerFastPath] = {}
+        local = self._local
         self.allocator = Allocator(self, self.alloc_layout, heap,
-                                   self._local.rings() if self._local is not None else None)
+                                   local.rings() if local is not None else None,
+                                   local.member_pids if local is not None else None)
         if heap is not None:  # a heap kept from a running incarnation may list lost slabs
             self.allocator.forget_lost_slabs()
         self.objects = ObjectStore(self, header.objects, header.max_objects,
@@ -829,6 +831,11 @@ class NodeLocal:
             if slot != self._slot and member and pid_alive(member):
                 return False
         return True
+
+    def member_pids(self) -> tuple[int, ...]:
+        """The pids in the member list, live or not, in slot order."""
+        slots = self.region.view(self.members, MEMBERS * 8).view(np.uint64)
+        return tuple(slots[slots != 0].tolist())
 
     def mutex(self, index: int) -> LocalMutex:
         return LocalMutex(self.region, index * SLOT_BYTES)

@@ -65,3 +65,24 @@ class PoolSize:
         return statistics.median(stores) / statistics.median(plain)
 
     track_store_per_copy.unit = "plain copies per stored block"
+
+
+class Crowd:
+    """Processes storing and loading at once (`tract bench scale` runs 1 x 1
+    to 8 x 1 and 2 x 4): the aggregate bytes per second as a share of the
+    same processes' plain copies (0.5 is the target)."""
+
+    params = [["2x1"], ["evicting", "recycling"]]
+    param_names = ["nodes_x_processes", "pool"]
+    timeout = 300
+
+    def track_share_of_copy(self, shape, pool):
+        import statistics
+
+        from tract.bench.crowd import measure
+
+        nodes, per_node = (int(n) for n in shape.split("x"))
+        found = measure(nodes, per_node, pool, 1, 0.5, pool_mib=64)
+        return statistics.median(found["tract"]) / statistics.median(found["copy"])
+
+    track_share_of_copy.unit = "tract GB/s per plain-copy GB/s"

@@ -27,7 +27,10 @@ Each figure is held to the same count at 2 nodes (ratio 1.0: constant).
 
 Then the pool's size (`tract.bench.pool_size`): a store that evicts, per
 block, against a plain copy, at each size, and another node's stores after
-the node that filled the pool closed or was killed.
+the node that filled the pool closed or was killed.  Then a crowd of
+processes (`tract.bench.crowd`: 1 x 1 up to 8 processes, on one node or
+several) storing and loading at once, on a pool that evicts and on one
+that does not, against the same processes' plain copies.
 """
 
 from __future__ import annotations
@@ -157,11 +160,12 @@ def measure(nodes: int, mode: str = "manager") -> dict[str, dict[str, float]]:
 
 
 def run(quick: bool = False, sizes: bool = True) -> list[Result]:
-    """The counts per rack size on the simulator, then (``sizes``) the
-    pool sizes on real pools (`tract.bench.pool_size`)."""
-    from tract.bench import pool_size
+    """The counts per rack size on the simulator, then (``sizes``) on real
+    pools: the pool's size (`tract.bench.pool_size`) and a crowd of
+    processes (`tract.bench.crowd`)."""
+    from tract.bench import crowd, pool_size
 
-    return _counts(quick) + (pool_size.run(quick) if sizes else [])
+    return _counts(quick) + (pool_size.run(quick) + crowd.run(quick) if sizes else [])
 
 
 def _counts(quick: bool) -> list[Result]:
