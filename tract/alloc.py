@@ -569,19 +569,28 @@ class Allocator:
         """``referrer()`` returns the (offset, size) ranges it keeps alive."""
         self._referrers.append(referrer)
 
-    def referenced_chunks(self, ranges=None) -> set[int]:
-        """The chunks the referrers' ranges (or ``ranges``) touch."""
-        chunks = set()
-        for offset, size in self._references() if ranges is None else ranges:
-            first = self.chunk_of(offset)
-            last = self.chunk_of(offset + max(size, 1) - 1)
-            chunks.update(range(first, last + 1))
-        return chunks
+    def referenced_chunks(self, ranges=None) -> np.ndarray:
+        """Whether each chunk is touched by one of the referrers' ranges (or
+        of ``ranges``: (offset, size) rows), as a bool per chunk."""
+        spans = self._references() if ranges is None else _spans(ranges)
+        relative = spans[:, 0] - self.base
+        ends = relative + np.maximum(spans[:, 1], 1) - 1
+        outside = np.flatnonzero((relative < 0) | (ends >= self.nchunks * self.chunk_size))
+        if outside.size:  # the ValueError that names it
+            offset, size = spans[outside[0]].tolist()
+            self.chunk_of(offset)
+            self.chunk_of(offset + max(size, 1) - 1)
+        edges = np.zeros(self.nchunks + 1, np.int64)
+        np.add.at(edges, relative // self.chunk_size, 1)
+        np.add.at(edges, ends // self.chunk_size + 1, -1)
+        return np.cumsum(edges[:-1]) > 0
 
-    def _references(self) -> list[tuple[int, int]]:
-        return [span for referrer in self._referrers for span in referrer()]
+    def _references(self) -> np.ndarray:
+        """The referrers' (offset, size) rows."""
+        return np.concatenate([_spans(referrer()) for referrer in self._referrers]
+                              or [np.empty((0, 2), np.int64)])
 
-    def _references_whole(self, timeout: float | None = None) -> list[tuple[int, int]] | None:
+    def _references_whole(self, timeout: float | None = None) -> np.ndarray | None:
         """The referrers' (offset, size) ranges, read under the pool's
         ``objects`` and ``index`` locks (after ``alloc``, the order fsck
         takes them too), so no record or entry is half-written as it is
@@ -674,7 +683,7 @@ class Allocator:
             return []
         referenced = self.referenced_chunks(ranges)
         free = [(chunk, count, owner) for chunk, count, owner in dead
-                if not any(c in referenced for c in range(chunk, chunk + count))]
+                if not referenced[chunk:chunk + count].any()]
         self._dead_referenced = {(chunk, owner) for chunk, _, owner in dead} \
             - {(chunk, owner) for chunk, _, owner in free}
         return free
@@ -1107,7 +1116,7 @@ class Allocator:
             ranges = self._references_whole(timeout)
             if ranges is None:
                 return 0
-            referenced = {offset for offset, _ in ranges}
+            referenced = set(ranges[:, 0].tolist())
             dead = [block for block in dead if block[0] not in referenced]
         seen = {block: seen.get(block, now) for block in dead}
         ripe = [block for block, first in seen.items() if now - first >= lease]
@@ -1199,6 +1208,11 @@ class Allocator:
                     continue
                 drained += 1
         return drained
+
+
+def _spans(ranges) -> np.ndarray:
+    """(offset, size) pairs as int64 rows."""
+    return np.asarray(ranges, dtype=np.int64).reshape(-1, 2)
 
 
 def pid_alive(pid: int) -> bool:

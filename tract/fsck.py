@@ -197,7 +197,7 @@ class _Check:
         """The node heaps of this host's nodes (their node-local files)."""
         header, pool = self.header, self.pool
         referenced = {record.offset for record in pool.objects.list()} | \
-            {offset for offset, _ in pool.index.referenced()}
+            set(pool.index.referenced()[:, 0].tolist())
         members, heap_offset, size = NodeLocal.shape(header)
         for node in sorted(pool.nodes_on_this_host()):
             path = NodeLocal.path_of(header, node)

@@ -1021,10 +1021,21 @@ class Index:
         self._set_reach(entry, np.maximum(self._reach(entry), reach))
         self._write(np.array([slot]), entry)  # the lock's release fences it
 
-    def referenced(self) -> list[tuple[int, int]]:
-        """(offset, length) of every payload an entry keeps (WRITING, READY,
-        EVICTING), for the allocator's reclaim."""
-        return [payload for _, _, payload, _ in self.scan() if payload is not None]
+    def referenced(self) -> np.ndarray:
+        """(offset, length) rows of every payload an entry keeps (WRITING,
+        READY, EVICTING), for the allocator's reclaim: the entries `scan`
+        names a payload for (whole, live, inside the heap: R5), read in
+        batches and judged as arrays, at memory speed."""
+        low, high = self.heap
+        found = []
+        for _, entries in self._table():
+            state = entries[:, 3] & np.uint64(0xFF)
+            offset, length = entries[:, 4], entries[:, 5]
+            keep = self._whole(entries) & ((state == WRITING) | (state == READY)
+                                           | (state == EVICTING))
+            keep &= (offset >= low) & (length > 0) & (length <= np.uint64(high) - offset)
+            found.append(entries[keep][:, 4:6])
+        return np.concatenate(found).astype(np.int64) if found else np.empty((0, 2), np.int64)
 
     def clear(self, slot: int) -> None:
         """Make ``slot`` a tombstone whatever it held (fsck --repair, under
