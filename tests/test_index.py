@@ -559,6 +559,31 @@ def test_a_full_pool_makes_room_in_a_sparse_table(pool_path):
         assert fsck(pool_path, watch=False)["ok"]
 
 
+def test_the_payloads_the_reclaim_keeps_are_the_ones_scan_names(pool_path):
+    """`Index.referenced` (arrays, for the allocator's reclaim) names
+    exactly the payloads `scan` (fsck's, entry by entry) names: the live
+    entries' (writing, ready, evicting), none of a tombstone, a torn entry
+    or an entry whose payload lies outside the heap (R5)."""
+    _create(pool_path)
+    with Pool.open(pool_path, 0, manager=True) as pool:
+        index = pool.index
+        keys = np.random.default_rng(3).integers(0, 2**63, size=(12, 2), dtype=np.uint64)
+        _publish(pool, keys[:8])
+        index.reserve(keys[8:], 4096, tokens=16)  # writing
+        index.remove(keys[:2])  # tombstones
+        live = [slot for slot, state, _, _ in index.scan() if state == "ready"]
+        outside, torn = np.array(live[:1]), live[1]
+        entry = index._read(index._entries(outside)).copy()
+        entry[:, 4] = np.uint64(64)  # a payload in the header
+        index._write(outside, entry)  # sealed whole
+        pool.region.store_u64(index.entry_offset(torn) + 8 * 4, 12345)  # check word broken
+        pool.region.fence()
+        scanned = sorted(payload for _, _, payload, _ in index.scan() if payload is not None)
+        assert sorted(map(tuple, index.referenced().tolist())) == scanned
+        assert len(scanned) == 6 + 4 - 2  # the live ones less the outside and the torn
+        assert index.referenced().dtype == np.int64
+
+
 def _slab_owners(pool):
     """(node, epoch, adopted tag) -> chunks, of every slab chunk, fresh."""
     allocator, found = pool.allocator, {}
