@@ -40,20 +40,15 @@ import uuid
 import numpy as np
 
 from tract.bench import Result
-from tract.bench.pool_size import fill, layout
+from tract.bench.pool_size import BLOCKS, fill, layout, tokens
 
 __all__ = ["measure", "run"]
 
-BLOCKS = 8  # per prompt
 SHAPES = ((1, 1), (1, 8), (2, 4), (8, 1))
 QUICK_SHAPES = ((1, 1), (2, 2))
 POOLS = ("evicting", "recycling")
 POOL_MIB = 256
 PHASES = ("tract", "bare", "copy")
-
-
-def _tokens(serial: int) -> np.ndarray:
-    return np.random.default_rng(serial).integers(0, 50_000, BLOCKS * 16)
 
 
 def _worker(path, node, seed, kind, order, seconds, barrier, results) -> None:
@@ -78,11 +73,11 @@ def _worker(path, node, seed, kind, order, seconds, barrier, results) -> None:
         def tract_once() -> int:
             nonlocal serial
             serial += 1
-            tokens = _tokens(serial)
-            stored = kv.store(tokens, blocks)
-            loaded = kv.load(tokens, out)
+            prompt = tokens(serial)
+            stored = kv.store(prompt, blocks)
+            loaded = kv.load(prompt, out)
             if kind == "recycling":
-                kv.remove(tokens)
+                kv.remove(prompt)
             return (stored + loaded) * shape.block_bytes
 
         def copy_once() -> int:
@@ -114,7 +109,7 @@ def _worker(path, node, seed, kind, order, seconds, barrier, results) -> None:
                 operations += 1
             took = time.perf_counter() - start
             after = pool.counters().get(pool.node, {})
-            # a node's counters are every process of it: the parent divides
+            # a node's counters count all its processes: the parent takes one per node
             waits = [after.get(name, 0) - before.get(name, 0)
                      for name in ("lock_waits", "lock_wait_ns")]
             done.append((phase, moved, operations, *waits, took))

@@ -35,7 +35,7 @@ import numpy as np
 
 from tract.bench import Result
 
-__all__ = ["after_gone", "fill", "layout", "run", "store_evict"]
+__all__ = ["BLOCKS", "after_gone", "fill", "layout", "run", "store_evict", "tokens"]
 
 MIB = 1 << 20
 BLOCKS = 8  # per store
@@ -50,7 +50,8 @@ def layout():
                     head_size=16, block_size=16)
 
 
-def _tokens(serial: int) -> np.ndarray:
+def tokens(serial: int) -> np.ndarray:
+    """The tokens of prompt ``serial``: `BLOCKS` blocks of 16."""
     return np.random.default_rng(serial).integers(0, 50_000, BLOCKS * 16)
 
 
@@ -60,7 +61,7 @@ def fill(kv, pool, start: int) -> int:
     serial = start
     while True:
         before = pool.counters().get(pool.node, {}).get("evictions", 0)
-        kv.store(_tokens(serial), blocks)
+        kv.store(tokens(serial), blocks)
         serial += 1
         if pool.counters()[pool.node].get("evictions", 0) > before:
             return serial
@@ -93,7 +94,7 @@ def store_evict(path: str, rounds: int) -> tuple[list[float], list[float]]:
         serial = fill(kv, pool, 0)
         for _ in range(rounds):
             start = time.perf_counter()
-            kv.store(_tokens(serial), blocks)
+            kv.store(tokens(serial), blocks)
             stores.append((time.perf_counter() - start) / BLOCKS)
             serial += 1
             start = time.perf_counter()
@@ -134,13 +135,13 @@ def after_gone(path: str, how: str, window: float) -> dict:
         try:
             kv = Connector(pool, shape, timeout=30.0)
             serial, start = 1 << 30, time.perf_counter()
-            kv.store(_tokens(serial), blocks)
+            kv.store(tokens(serial), blocks)
             first = time.perf_counter() - start
             end = time.perf_counter() + window
             while time.perf_counter() < end:
                 serial += 1
                 start = time.perf_counter()
-                kv.store(_tokens(serial), blocks)
+                kv.store(tokens(serial), blocks)
                 each.append((time.perf_counter() - start) / BLOCKS)
         finally:
             resident = _resident(path)
