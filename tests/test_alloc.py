@@ -910,7 +910,7 @@ def test_the_heap_is_walked_for_dead_blocks_only_after_a_process_or_a_node_chang
     came, went or died; a node's lease changed).  A process that dies
     holding a block it never published is such a change: the next look
     sees the block, the one a lease later gives it back."""
-    _create(pool_path, lease_timeout=0.3)
+    _create(pool_path, lease_timeout=1.5)  # a stall of a lease would change the live nodes
     with Pool.open(pool_path, 0, manager=True) as pool:
         allocator = pool.allocator
         heap = allocator.heap = _CountedHeap(allocator.heap)
