@@ -563,7 +563,8 @@ def test_the_payloads_the_reclaim_keeps_are_the_ones_scan_names(pool_path):
     """`Index.referenced` (arrays, for the allocator's reclaim) names
     exactly the payloads `scan` (fsck's, entry by entry) names: the live
     entries' (writing, ready, evicting), none of a tombstone, a torn entry
-    or an entry whose payload lies outside the heap (R5)."""
+    or an entry whose payload lies outside the heap, before it or past its
+    end (R5)."""
     _create(pool_path)
     with Pool.open(pool_path, 0, manager=True) as pool:
         index = pool.index
@@ -572,15 +573,16 @@ def test_the_payloads_the_reclaim_keeps_are_the_ones_scan_names(pool_path):
         index.reserve(keys[8:], 4096, tokens=16)  # writing
         index.remove(keys[:2])  # tombstones
         live = [slot for slot, state, _, _ in index.scan() if state == "ready"]
-        outside, torn = np.array(live[:1]), live[1]
+        outside, torn = np.array(live[:2]), live[2]
         entry = index._read(index._entries(outside)).copy()
-        entry[:, 4] = np.uint64(64)  # a payload in the header
+        entry[0, 4] = np.uint64(64)  # a payload in the header
+        entry[1, 4] = np.uint64(index.heap[1] + 4096)  # a payload past the heap's end
         index._write(outside, entry)  # sealed whole
         pool.region.store_u64(index.entry_offset(torn) + 8 * 4, 12345)  # check word broken
         pool.region.fence()
         scanned = sorted(payload for _, _, payload, _ in index.scan() if payload is not None)
         assert sorted(map(tuple, index.referenced().tolist())) == scanned
-        assert len(scanned) == 6 + 4 - 2  # the live ones less the outside and the torn
+        assert len(scanned) == 6 + 4 - 3  # the live ones less the two outside and the torn
         assert index.referenced().dtype == np.int64
 
 

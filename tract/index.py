@@ -1033,7 +1033,10 @@ class Index:
             offset, length = entries[:, 4], entries[:, 5]
             keep = self._whole(entries) & ((state == WRITING) | (state == READY)
                                            | (state == EVICTING))
-            keep &= (offset >= low) & (length > 0) & (length <= np.uint64(high) - offset)
+            # as `scan`: low <= offset and 0 < length <= high - offset (an offset
+            # past the heap's end wraps the unsigned difference: it is refused first)
+            keep &= (offset >= low) & (offset <= high) & (length > 0) \
+                & (length <= np.uint64(high) - offset)
             found.append(entries[keep][:, 4:6])
         return np.concatenate(found).astype(np.int64) if found else np.empty((0, 2), np.int64)
 
